@@ -1,0 +1,1 @@
+"""The agent: tag protocol, trajectories and the multi-turn loop."""

@@ -1,0 +1,57 @@
+"""The tag protocol of ARPO/RAPO (spec §1): think / python / search / result / answer, plus RAPO's retrieve."""
+
+from __future__ import annotations
+
+import re
+
+THINK = ("<think>", "</think>")
+PYTHON = ("<python>", "</python>")
+SEARCH = ("<search>", "</search>")
+RESULT = ("<result>", "</result>")
+ANSWER = ("<answer>", "</answer>")
+RETRIEVE = ("<retrieve>", "</retrieve>")
+ALL_TAGS = [t for pair in (THINK, PYTHON, SEARCH, RESULT, ANSWER, RETRIEVE) for t in pair]
+
+# Chat-frame tokens of the bundled model. Real checkpoints bring their own chat template.
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+SYSTEM, USER, ASSISTANT = "<|system|>", "<|user|>", "<|assistant|>"
+FRAME_TOKENS = [PAD, BOS, EOS, SYSTEM, USER, ASSISTANT]
+SPECIAL_TOKENS = FRAME_TOKENS + ALL_TAGS
+
+# Generation pauses on these (ARPO's stop strings); the loop runs the tool and appends the result.
+TOOL_STOPS = (PYTHON[1], SEARCH[1])
+ANSWER_STOP = ANSWER[1]
+
+SYSTEM_PROMPT = (
+    "You are a helpful assistant that can solve the given question step by step with the help of tools. "
+    "Think inside <think> </think>. To run code, write it inside <python> </python>; to look something up, "
+    "write a query inside <search> </search>. The tool output is returned inside <result> </result>. "
+    "Give the final answer inside <answer> </answer> with the answer in \\boxed{}. "
+    # RAPO's one added sentence (spec §1).
+    "Additional context may be enclosed in <retrieve> </retrieve> tags. Use it if helpful."
+)
+
+_BOXED = re.compile(r"\\boxed\{")
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` with balanced braces, or None."""
+    starts = [m.end() for m in _BOXED.finditer(text)]
+    if not starts:
+        return None
+    i = starts[-1]
+    depth, j = 1, i
+    while j < len(text):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i:j].strip()
+        j += 1
+    return None
+
+
+def render_prompt(question: str, system: str = SYSTEM_PROMPT) -> str:
+    """Prompt text for the bundled model's chat frame (ends where the assistant starts generating)."""
+    return f"{BOS}{SYSTEM}{system}{USER}{question}{ASSISTANT}"

