@@ -20,6 +20,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # generation stops after emitting one (kept)
     stop_strings: list[str] = field(default_factory=list)  # stops once decoded output ends with one (kept)
     seed: int | None = None
+    ignore_eos: bool = False  # benchmarks: always generate max_new_tokens
 
     def __post_init__(self):
         if self.temperature < 0:

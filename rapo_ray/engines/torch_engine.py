@@ -143,7 +143,7 @@ class TorchEngine(InferenceEngine):
         last = tokens[-1]
         if last in p.stop_token_ids:
             return last
-        if self.eos_id is not None and last == self.eos_id:
+        if self.eos_id is not None and last == self.eos_id and not p.ignore_eos:
             return last
         if p.stop_strings:
             # Decode only a short tail: a stop string must end at the last token to stop here.

@@ -134,6 +134,7 @@ class VLLMEngine(InferenceEngine):
                 spaces_between_special_tokens=False,
                 logprobs=self.logprobs_topk,
                 seed=p.seed,
+                ignore_eos=p.ignore_eos,
             )
             for p in per
         ]

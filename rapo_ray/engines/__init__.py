@@ -1,0 +1,46 @@
+"""Inference engines behind one interface: vLLM (default where it imports) and torch (fallback, tests)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rapo_ray.engines.base import GenerationResult, InferenceEngine, SamplingParams
+
+__all__ = ["GenerationResult", "InferenceEngine", "SamplingParams", "make_engine", "resolve_engine_name"]
+
+
+def resolve_engine_name(requested: str) -> str:
+    """``auto`` -> ``vllm`` where vLLM imports, else ``torch``; an explicit ``vllm`` must import."""
+    from rapo_ray.engines.vllm_engine import vllm_available
+
+    if requested == "auto":
+        return "vllm" if vllm_available() else "torch"
+    if requested == "vllm" and not vllm_available():
+        raise RuntimeError("rollout.engine=vllm but vLLM does not import here; install the cpu/gpu extra or use rollout.engine=torch")
+    if requested not in ("vllm", "torch"):
+        raise ValueError(f"rollout.engine={requested!r}; valid: auto, vllm, torch")
+    return requested
+
+
+def make_engine(rollout_cfg, model_dir: str | Path, dtype: str = "float32", max_model_len: int = 1024, seed: int = 0) -> InferenceEngine:
+    """Build the configured engine on an HF model folder."""
+    name = resolve_engine_name(rollout_cfg.engine)
+    if name == "vllm":
+        from rapo_ray.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine(
+            model_dir,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            kv_cache_gb=rollout_cfg.vllm_kv_cache_gb,
+            block_size=rollout_cfg.vllm_block_size,
+            enable_prefix_caching=rollout_cfg.vllm_enable_prefix_caching,
+            gpu_memory_utilization=rollout_cfg.vllm_gpu_memory_utilization,
+            logprobs_topk=rollout_cfg.vllm_logprobs_topk,
+            seed=seed,
+            threads=rollout_cfg.threads_per_worker,
+        )
+    from rapo_ray.engines.torch_engine import TorchEngine
+    from rapo_ray.model import load_model, load_tokenizer
+
+    return TorchEngine(load_model(model_dir, dtype), load_tokenizer(model_dir))

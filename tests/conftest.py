@@ -1,0 +1,63 @@
+"""Shared fixtures: one tiny bundled model for the whole session (built in a temp dir, ~2 s)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def tiny_config(tmp_dir, *overrides):
+    from rapo_ray.config import load_config
+
+    base = [
+        f"run.artifacts_dir={tmp_dir}",
+        "model.hidden_size=64",
+        "model.num_layers=2",
+        "model.num_heads=2",
+        "model.num_kv_heads=1",
+        "model.intermediate_size=128",
+        "model.max_position_embeddings=512",
+        "tokenizer.vocab_size=512",
+        "tasks.train_size=300",
+        "tasks.test_size=50",
+        "rollout.max_response_tokens=192",
+    ]
+    return load_config(overrides=base + list(overrides))
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg(tmp_path_factory):
+    return tiny_config(tmp_path_factory.mktemp("artifacts"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_cfg):
+    from rapo_ray.model import ensure_bundled_model
+
+    path = ensure_bundled_model(tiny_cfg)
+    # Random init gives near-uniform logits; scale them so greedy choices are well separated and
+    # engine comparisons are not decided by float noise.
+    from rapo_ray.model import load_model, load_tokenizer, save_model
+
+    model = load_model(path)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "embed_tokens" in name:
+                p.mul_(8.0)
+    save_model(model, load_tokenizer(path), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir):
+    from rapo_ray.model import load_tokenizer
+
+    return load_tokenizer(tiny_model_dir)

@@ -1,0 +1,111 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rapo_ray.config import Config, ConfigError, diff_configs, help_text, load_config, save_config, to_dict
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_follow_the_paper():
+    cfg = load_config()
+    a = cfg.algo
+    assert (a.name, a.group_size, a.n_hybrid, a.retrieve_prob) == ("rapo", 16, 8, 0.5)
+    assert (a.shaping_weight, a.advantage_weight, a.clip_low, a.clip_high, a.kl_coef) == (0.05, 0.2, 0.28, 0.28, 0.0)
+
+
+def test_round_trip_yaml(tmp_path):
+    cfg = load_config(overrides=["algo.name=grpo", "rollout.num_workers=3", "tasks.families=[arith]"])
+    path = tmp_path / "c.yaml"
+    save_config(cfg, path)
+    again = load_config(path)
+    assert to_dict(again) == to_dict(cfg)
+    assert again.algo.name == "grpo" and again.rollout.num_workers == 3 and again.tasks.families == ["arith"]
+
+
+def test_overrides_types():
+    cfg = load_config(overrides=["learner.lr=3e-4", "algo.dual_clip=3", "run.tensorboard=false", "resources.custom_resources={a: 1}"])
+    assert cfg.learner.lr == 3e-4 and isinstance(cfg.algo.dual_clip, float) and cfg.run.tensorboard is False
+    assert cfg.resources.custom_resources == {"a": 1}
+
+
+def test_unknown_key_lists_valid_keys(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown config key 'algo.nme'.*valid keys under algo: \[.*'name'"):
+        load_config(overrides=["algo.nme=grpo"])
+    with pytest.raises(ConfigError, match="unknown config key 'bogus'"):
+        load_config(overrides=["bogus.x=1"])
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout:\n  num_workerz: 2\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: unknown config key 'rollout.num_workerz'"):
+        load_config(path)
+
+
+def test_wrong_types_and_choices():
+    with pytest.raises(ConfigError, match=r"rollout.num_workers: expected int, got str 'many'"):
+        load_config(overrides=["rollout.num_workers=many"])
+    with pytest.raises(ConfigError, match=r"run.tensorboard: expected bool"):
+        load_config(overrides=["run.tensorboard=3"])
+    with pytest.raises(ConfigError, match=r"algo.name: 'ppo' is not one of"):
+        load_config(overrides=["algo.name=ppo"])
+    with pytest.raises(ConfigError, match=r"algo: expected a mapping"):
+        load_config(overrides=["algo=3"])
+    with pytest.raises(ConfigError, match="must look like"):
+        load_config(overrides=["algo.name"])
+
+
+def test_impossible_sizes_are_named():
+    with pytest.raises(ConfigError, match=r"algo.n_hybrid \(20\)"):
+        load_config(overrides=["algo.n_hybrid=20"])
+    with pytest.raises(ConfigError, match=r"model.hidden_size \(100\) must be divisible by model.num_heads \(3\)"):
+        load_config(overrides=["model.hidden_size=100", "model.num_heads=3", "model.num_kv_heads=1"])
+    with pytest.raises(ConfigError, match="tasks.families: unknown family 'chess'"):
+        load_config(overrides=["tasks.families=[chess]"])
+    with pytest.raises(ConfigError, match="rollout.num_workers"):
+        load_config(overrides=["rollout.num_workers=0"])
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("algo: [unclosed\n")
+    with pytest.raises(ConfigError, match="bad.yaml is not valid YAML"):
+        load_config(bad)
+    lst = tmp_path / "list.yaml"
+    lst.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(lst)
+
+
+def test_diff_configs_names_fields():
+    a, b = Config(), load_config(overrides=["algo.name=grpo", "learner.lr=1e-3"])
+    assert diff_configs(a, b) == ["algo.name", "learner.lr"]
+
+
+def test_help_lists_every_field():
+    text = help_text()
+    for section, sub in to_dict(Config()).items():
+        for key in sub:
+            assert f"{section}.{key} (" in text
+
+
+def test_every_shipped_config_file_loads():
+    files = sorted((REPO / "configs").glob("*.yaml"))
+    assert files, "configs/ should ship example configs"
+    for f in files:
+        load_config(f)
+
+
+def test_train_help_prints_fields():
+    out = subprocess.run([sys.executable, str(REPO / "jobs" / "train.py"), "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "algo.retrieve_prob" in out.stdout and "Probability of retrieving" in out.stdout
+
+
+def test_train_rejects_bad_override_before_work():
+    out = subprocess.run([sys.executable, str(REPO / "jobs" / "train.py"), "algo.nme=grpo"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "unknown config key 'algo.nme'" in out.stderr

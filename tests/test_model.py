@@ -1,0 +1,58 @@
+import pytest
+import torch
+
+from rapo_ray.agent import protocol
+from rapo_ray.envs import tasks
+from rapo_ray.model import ModelLoadError, load_model, load_tokenizer, save_model
+
+
+def test_protocol_tags_are_single_tokens(tiny_tokenizer):
+    for tag in protocol.SPECIAL_TOKENS:
+        ids = tiny_tokenizer(tag, add_special_tokens=False)["input_ids"]
+        assert len(ids) == 1, tag
+
+
+def test_tokenizer_round_trip_keeps_ids(tiny_tokenizer, tmp_path):
+    prob = tasks.generate("multihop", "train", 1, 0)[0]
+    text = protocol.render_prompt(prob.question) + tasks.expert_text(prob)
+    ids = tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tiny_tokenizer.decode(ids) == text
+    tiny_tokenizer.save_pretrained(tmp_path)
+    again = load_tokenizer(tmp_path)
+    assert again(text, add_special_tokens=False)["input_ids"] == ids
+    assert (again.pad_token_id, again.eos_token_id) == (tiny_tokenizer.pad_token_id, tiny_tokenizer.eos_token_id)
+
+
+def test_model_save_load_exact(tiny_model_dir, tiny_tokenizer, tmp_path):
+    model = load_model(tiny_model_dir)
+    out = save_model(model, tiny_tokenizer, tmp_path / "copy")
+    again = load_model(out)
+    a, b = model.state_dict(), again.state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not (tmp_path / "copy.tmp").exists()
+
+
+def test_missing_and_corrupt_folders(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(tmp_path / "empty")
+    with pytest.raises(ModelLoadError, match="no tokenizer.json"):
+        load_tokenizer(tmp_path / "empty")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"model_type": "qwen2"}')
+    (bad / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ModelLoadError, match=r"cannot load model from .*bad"):
+        load_model(bad)
+
+
+def test_model_path_must_be_a_model(tmp_path):
+    from rapo_ray.config import load_config
+    from rapo_ray.model import resolve_model_dir
+
+    cfg = load_config(overrides=[f"model.path={tmp_path}"])
+    with pytest.raises(ModelLoadError, match="model.path=.*not an HF model folder"):
+        resolve_model_dir(cfg)
