@@ -1,0 +1,335 @@
+"""The multi-turn tool agent loop with hybrid-policy rollout (spec Algorithm 1) and ARPO branching.
+
+All live trajectories advance in lockstep: one batched ``engine.generate`` per turn, tool calls of the
+turn run concurrently, retrievals of the turn go to the retriever in one batch. One turn of one
+trajectory:
+
+  1. hybrid slot, at least one policy step done, draw u < p  ->  append <retrieve>value</retrieve> (mask 0)
+  2. generate a policy step until a closing tool tag, </answer>, EOS, or the step/response budget
+  3. closing tool tag -> parse the call, run the tool, append <result>...</result> (mask 0)
+  4. </answer>, EOS, budget, or tool-call limit -> the trajectory ends
+
+A retrieval is always followed by a policy step (step 2 runs in the same turn), so two retrievals are never
+adjacent, and the first step is never retrieved.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from rapo_ray.agent import protocol
+from rapo_ray.agent.retriever import StepRetriever, query_text
+from rapo_ray.agent.trajectory import HYBRID, ON_POLICY, Retrieval, Trajectory
+from rapo_ray.algos.arpo import BranchBudget, EntropyBrancher, normalized_segment_entropy
+from rapo_ray.algos.entropy import GENERATED, RETRIEVED, TOOL_RESULT
+from rapo_ray.engines.base import InferenceEngine, SamplingParams
+from rapo_ray.envs import rewards
+from rapo_ray.envs.tools import ToolResult, ToolSet
+
+_TOOL_TAGS = {protocol.PYTHON[1]: "python", protocol.SEARCH[1]: "search"}
+_OPEN_TAGS = {"python": protocol.PYTHON[0], "search": protocol.SEARCH[0]}
+
+
+@dataclass
+class Task:
+    """What the loop needs of a problem (bundled ``Problem`` and loader ``Example`` both adapt to it)."""
+
+    id: str
+    question: str
+    answers: tuple
+    kind: str = "qa"  # "math" | "qa"
+
+
+@dataclass
+class LoopSettings:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_response_tokens: int = 256
+    max_step_tokens: int = 96
+    max_tool_calls: int = 3
+    retrieve_prob: float = 0.5
+    tool_bonus: float = 0.0
+    seed: int | None = None
+    # ARPO
+    arpo_initial: int | None = None  # None: no branching
+    arpo_beam_size: int = 2
+    arpo_tau: float = 0.5
+    arpo_beta: float = 0.2
+    arpo_entropy_tokens: int = 20
+
+    @classmethod
+    def from_config(cls, rollout_cfg, algo_cfg=None, evaluation: bool = False) -> "LoopSettings":
+        s = cls(
+            temperature=0.0 if evaluation else rollout_cfg.temperature,
+            top_p=1.0 if evaluation else rollout_cfg.top_p,
+            max_response_tokens=rollout_cfg.max_response_tokens,
+            max_step_tokens=rollout_cfg.max_step_tokens,
+            max_tool_calls=rollout_cfg.max_tool_calls,
+        )
+        if algo_cfg is not None and not evaluation:
+            s.retrieve_prob = algo_cfg.retrieve_prob
+            if algo_cfg.name == "arpo":
+                s.arpo_initial = algo_cfg.arpo_initial_rollouts
+                s.arpo_beam_size = algo_cfg.arpo_beam_size
+                s.arpo_tau = algo_cfg.arpo_branch_prob
+                s.arpo_beta = algo_cfg.arpo_entropy_weight
+                s.arpo_entropy_tokens = algo_cfg.arpo_entropy_tokens
+        return s
+
+
+@dataclass
+class RolloutStats:
+    generate_s: float = 0.0
+    tool_s: float = 0.0
+    retrieve_s: float = 0.0
+    turns: int = 0
+    engine_calls: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class AgentLoop:
+    def __init__(self, engine: InferenceEngine, tokenizer, tools: ToolSet, settings: LoopSettings,
+                 retriever: StepRetriever | None = None, system_prompt: str = protocol.SYSTEM_PROMPT):
+        self.engine, self.tok, self.tools, self.s = engine, tokenizer, tools, settings
+        self.retriever = retriever
+        self.system_prompt = system_prompt
+        self.rng = random.Random(settings.seed)
+        self.eos_id = tokenizer.eos_token_id
+        # Stop on closing tool tags and </answer>: by token id where the tag is one token (the bundled
+        # tokenizer), by string otherwise (real checkpoints).
+        self.stop_ids, self.stop_strings = [], []
+        for tag in list(_TOOL_TAGS) + [protocol.ANSWER[1]]:
+            ids = self._encode(tag)
+            (self.stop_ids.append(ids[0]) if len(ids) == 1 else self.stop_strings.append(tag))
+        self.retrieve_open = self._encode(protocol.RETRIEVE[0])
+        self.retrieve_close = self._encode(protocol.RETRIEVE[1])
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def prompt_ids(self, question: str) -> list[int]:
+        if getattr(self.tok, "chat_template", None) and protocol.ASSISTANT not in self.tok.get_vocab():
+            msgs = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": question}]
+            return list(self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))
+        return self._encode(protocol.render_prompt(question, self.system_prompt))
+
+    # ------------------------------------------------------------ public
+
+    def run_groups(self, tasks: Sequence[Task], group_size: int, n_hybrid: int = 0, group_ids: Sequence[str] | None = None) -> tuple[list[Trajectory], RolloutStats]:
+        """Roll out ``group_size`` trajectories per task: slots [0, G - n_hybrid) on-policy, the rest hybrid.
+        With ARPO settings, each group starts ``arpo_initial`` trajectories and fills the rest by branching."""
+        group_ids = list(group_ids) if group_ids is not None else [t.id for t in tasks]
+        trajs: list[Trajectory] = []
+        budgets: dict[str, BranchBudget] = {}
+        for task, gid in zip(tasks, group_ids):
+            prompt = self.prompt_ids(task.question)
+            n_start = group_size if self.s.arpo_initial is None else self.s.arpo_initial
+            if self.s.arpo_initial is not None:
+                budgets[gid] = BranchBudget(total=group_size, initial=n_start, beam_size=self.s.arpo_beam_size)
+            for slot in range(n_start):
+                kind = HYBRID if slot >= group_size - n_hybrid else ON_POLICY
+                trajs.append(self._new(task, gid, slot, kind, prompt))
+        stats = RolloutStats()
+        trajs = self._run(trajs, stats, budgets, {gid: task for task, gid in zip(tasks, group_ids)})
+        return trajs, stats
+
+    def _new(self, task: Task, gid: str, slot: int, kind: str, prompt: list[int]) -> Trajectory:
+        return Trajectory(group_id=gid, slot=slot, slot_kind=kind, problem_id=task.id, task_kind=task.kind,
+                          answers=tuple(task.answers), prompt_ids=list(prompt), question=task.question,
+                          policy_version=self.engine.version)
+
+    # ------------------------------------------------------------ the turn loop
+
+    def _run(self, trajs: list[Trajectory], stats: RolloutStats, budgets: dict, tasks_by_group: dict) -> list[Trajectory]:
+        brancher = EntropyBrancher(self.s.arpo_tau, self.s.arpo_beta, self.rng) if budgets else None
+        pending_retrieval: dict[int, Retrieval] = {}
+        while True:
+            active = [i for i, t in enumerate(trajs) if not t.finished]
+            if not active:
+                if budgets and self._refill(trajs, budgets, tasks_by_group):
+                    continue
+                break
+            stats.turns += 1
+            # 1. retrievals (hybrid slots only, never before the first policy step)
+            want = [i for i in active if trajs[i].slot_kind == HYBRID and trajs[i].num_generated_steps > 0
+                    and self.retriever is not None and self.rng.random() < self.s.retrieve_prob]
+            if want:
+                t0 = time.perf_counter()
+                self._insert_retrievals(trajs, want, pending_retrieval)
+                stats.retrieve_s += time.perf_counter() - t0
+            # 2. one policy step for every live trajectory
+            prompts, params, rows = [], [], []
+            for i in active:
+                t = trajs[i]
+                room = self.s.max_response_tokens - len(t.response_ids)
+                if room <= 0:
+                    self._finish(t, "length")
+                    continue
+                prompts.append(t.prompt_ids + t.response_ids)
+                params.append(SamplingParams(temperature=self.s.temperature, top_p=self.s.top_p,
+                                             max_new_tokens=min(self.s.max_step_tokens, room),
+                                             stop_token_ids=self.stop_ids, stop_strings=self.stop_strings,
+                                             seed=None if self.s.seed is None else self.rng.randrange(2**31)))
+                rows.append(i)
+            if not rows:
+                continue
+            t0 = time.perf_counter()
+            results = self.engine.generate(prompts, params)
+            stats.generate_s += time.perf_counter() - t0
+            stats.engine_calls += 1
+            calls: list[tuple[int, str, str]] = []
+            for i, res in zip(rows, results):
+                t = trajs[i]
+                t.entropy_is_estimate = res.entropy_is_estimate
+                t.append(GENERATED, list(res.token_ids), list(res.logprobs), list(res.entropies))
+                if i in pending_retrieval:
+                    pending_retrieval.pop(i).step_after = t.num_generated_steps - 1
+                call = self._classify_step(t, res)
+                if call is not None:
+                    calls.append((i, *call))
+            # 3. tools, concurrently
+            if calls:
+                t0 = time.perf_counter()
+                self._run_tools(trajs, calls)
+                stats.tool_s += time.perf_counter() - t0
+            # ARPO: branch after tool results, decided by the entropy of the first k tokens of the step that
+            # followed the previous tool result, against the rollout's initial entropy.
+            if budgets:
+                self._arpo_branch(trajs, [i for i, _, _ in calls], budgets, brancher)
+        for t in trajs:
+            self._score(t)
+        return trajs
+
+    def _insert_retrievals(self, trajs, want, pending):
+        histories = [trajs[i].question + self.tok.decode(trajs[i].response_ids, skip_special_tokens=False) for i in want]
+        hits = self.retriever.retrieve([query_text(h) for h in histories], [trajs[i].problem_id for i in want])
+        for i, hit in zip(want, hits):
+            t = trajs[i]
+            if hit is None:
+                t.retrieval_fallbacks += 1
+                continue
+            ids = self.retrieve_open + (list(hit.value_ids) or self._encode(hit.value)) + self.retrieve_close
+            room = self.s.max_response_tokens - len(t.response_ids) - 1
+            if len(ids) > room:  # no room for the retrieved step and a policy step after it
+                t.retrieval_fallbacks += 1
+                continue
+            t.append(RETRIEVED, ids)
+            r = Retrieval(step_before=t.num_generated_steps - 1, step_after=None, score=hit.score,
+                          source_id=hit.question_id, noise=hit.noise)
+            t.retrievals.append(r)
+            pending[i] = r
+
+    def _classify_step(self, t: Trajectory, res) -> tuple[str, str] | None:
+        """End the trajectory or return the (tool, content) call its step ended with."""
+        ids = res.token_ids
+        if not ids:
+            self._finish(t, "empty")
+            return None
+        text = self.tok.decode(ids, skip_special_tokens=False)
+        if ids[-1] == self.eos_id or text.endswith(protocol.ANSWER[1]):
+            self._finish(t, "answer" if protocol.ANSWER[1] in text else "eos")
+            return None
+        tool = next((name for tag, name in _TOOL_TAGS.items() if text.endswith(tag)), None)
+        if tool is None:
+            self._finish(t, "length")
+            return None
+        if t.tool_calls >= self.s.max_tool_calls:
+            self._finish(t, "tool_limit")
+            return None
+        t.tool_calls += 1
+        return tool, self._parse_call(text, tool)
+
+    @staticmethod
+    def _parse_call(step_text: str, tool: str) -> str:
+        """The content of the call that closes the step; malformed calls yield an ``\\x00error`` marker."""
+        open_tag, close_tag = _OPEN_TAGS[tool], protocol.PYTHON[1] if tool == "python" else protocol.SEARCH[1]
+        body = step_text[: -len(close_tag)]
+        start = body.rfind(open_tag)
+        if start < 0:
+            other = [o for o in _OPEN_TAGS.values() if o in body]
+            return "\x00error:" + (f"{close_tag} closes {other[-1]} (mismatched tags)" if other else f"{close_tag} without {open_tag}")
+        content = body[start + len(open_tag):]
+        for tag in protocol.ALL_TAGS:
+            if tag in content:
+                return f"\x00error:nested tag {tag} inside {open_tag}"
+        return content.strip()
+
+    def _run_tools(self, trajs, calls):
+        results: list[ToolResult | None] = [None] * len(calls)
+        todo = []
+        for k, (_, tool, content) in enumerate(calls):
+            if content.startswith("\x00error:"):
+                results[k] = ToolResult("Error: " + content[len("\x00error:"):], False)
+            else:
+                todo.append(k)
+        for k, res in zip(todo, self.tools.call_many([(calls[k][1], calls[k][2]) for k in todo])):
+            results[k] = res
+        for (i, _, _), res in zip(calls, results):
+            t = trajs[i]
+            t.tool_time_s += res.elapsed_s
+            t.tool_errors += 0 if res.ok else 1
+            ids = self._encode(protocol.RESULT[0] + res.text + protocol.RESULT[1])
+            room = self.s.max_response_tokens - len(t.response_ids)
+            if room <= 1:
+                self._finish(t, "length")
+                continue
+            if len(ids) > room - 1:  # truncate the result, keep the closing tag
+                close = self._encode(protocol.RESULT[1])
+                ids = ids[: max(room - 1 - len(close), 0)] + close
+            t.append(TOOL_RESULT, ids)
+
+    def _arpo_branch(self, trajs: list[Trajectory], just_called: list[int], budgets: dict, brancher: EntropyBrancher):
+        k, vocab = self.s.arpo_entropy_tokens, len(self.tok)
+        for i in just_called:
+            t = trajs[i]
+            if t.finished:
+                continue
+            steps = [(s, e) for kind, s, e in t.segments if kind == GENERATED]
+            first = normalized_segment_entropy(t.token_entropies[steps[0][0]:steps[0][1]], k, vocab)
+            brancher.set_initial((t.group_id, t.slot if t.parent is None else t.parent), first)
+            s, e = steps[-1]
+            now = normalized_segment_entropy(t.token_entropies[s:e], k, vocab)
+            budget = budgets[t.group_id]
+            key = (t.group_id, t.slot if t.parent is None else t.parent)
+            for _ in budget.allocate([i], lambda _i: brancher.decide(key, now)):
+                child = t.fork(slot=max(x.slot for x in trajs if x.group_id == t.group_id) + 1)
+                trajs.append(child)
+
+    def _refill(self, trajs, budgets, tasks_by_group) -> bool:
+        """ARPO: when every path of a group ended before its budget was used, add full samples."""
+        added = False
+        for gid, budget in budgets.items():
+            n = budget.fill_with_full_samples()
+            if n <= 0:
+                continue
+            task = tasks_by_group[gid]
+            prompt = self.prompt_ids(task.question)
+            top = max(x.slot for x in trajs if x.group_id == gid)
+            for j in range(n):
+                trajs.append(self._new(task, gid, top + 1 + j, ON_POLICY, prompt))
+            added = True
+        return added
+
+    @staticmethod
+    def _finish(t: Trajectory, reason: str):
+        t.finished, t.finish_reason = True, reason
+
+    def _score(self, t: Trajectory):
+        # Policy-generated text only: tool results and retrieved blocks earn nothing.
+        text = "".join(self.tok.decode(seg, skip_special_tokens=False) for seg in t.segment_ids(GENERATED))
+        sc = rewards.score(text, t.answers, t.task_kind, self.s.tool_bonus)
+        t.reward, t.correct, t.f1, t.format_ok, t.answer = sc.reward, sc.correct, sc.f1, sc.format_ok, sc.answer
+
+
+def generated_text(tokenizer, t: Trajectory) -> str:
+    return "".join(tokenizer.decode(seg, skip_special_tokens=False) for seg in t.segment_ids(GENERATED))
+
+
+def full_text(tokenizer, t: Trajectory) -> str:
+    return tokenizer.decode(t.response_ids, skip_special_tokens=False)
+
+
+__all__ = ["AgentLoop", "LoopSettings", "RolloutStats", "Task", "generated_text", "full_text", "RETRIEVED"]

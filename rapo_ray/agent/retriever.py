@@ -1,0 +1,106 @@
+"""The step retriever the hybrid rollout asks for an off-policy step (spec §2, Eq. 3).
+
+``StepRetriever.retrieve(queries)`` returns, per query, the best stored step or None (empty buffer). The
+query is the on-policy history after the system prompt (question + steps so far); only its last
+``max_chars`` characters are used, as in the RAPO authors' index code. The production retriever is the
+Milvus-backed Ray Serve deployment (rapo_ray.retrieval); ``InMemoryStepRetriever`` serves tests and small
+runs with the same semantics (top-1 by inner product, optional noise, optional same-question exclusion).
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+
+@dataclass
+class StoredStep:
+    key: str  # history text before the step
+    value: str  # the step's text (thought + call + result)
+    value_ids: list[int] = field(default_factory=list)  # its token ids, inserted verbatim
+    reward: float = 0.0
+    question_id: str = ""
+    step_index: int = 0
+    source: str = ""
+
+
+@dataclass
+class RetrievedStep:
+    value: str
+    value_ids: list[int]
+    score: float
+    reward: float = 0.0
+    question_id: str = ""
+    noise: bool = False
+
+
+class StepRetriever(Protocol):
+    def retrieve(self, queries: Sequence[str], question_ids: Sequence[str] | None = None) -> list[RetrievedStep | None]: ...
+
+
+def query_text(history: str, max_chars: int = 1300) -> str:
+    """The retrieval key/query text: the last ``max_chars`` characters of the history."""
+    return history[-max_chars:]
+
+
+def hashing_embedder(dim: int = 256) -> Callable[[Sequence[str]], np.ndarray]:
+    """A dependency-free text embedder (character trigram hashing, L2-normalised) for tests and tiny runs."""
+
+    def embed(texts: Sequence[str]) -> np.ndarray:
+        out = np.zeros((len(texts), dim), dtype=np.float32)
+        for i, t in enumerate(texts):
+            t = f"  {t.lower()}  "
+            for j in range(len(t) - 2):
+                out[i, zlib.crc32(t[j : j + 3].encode()) % dim] += 1.0
+        norms = np.linalg.norm(out, axis=1, keepdims=True)
+        return out / np.maximum(norms, 1e-12)
+
+    return embed
+
+
+class InMemoryStepRetriever:
+    """Brute-force inner-product search over embedded keys."""
+
+    def __init__(
+        self,
+        steps: Sequence[StoredStep],
+        embed: Callable[[Sequence[str]], np.ndarray] | None = None,
+        max_chars: int = 1300,
+        noise_prob: float = 0.0,
+        same_question: bool = True,
+        seed: int = 0,
+    ):
+        self.steps = list(steps)
+        self.embed = embed or hashing_embedder()
+        self.max_chars = max_chars
+        self.noise_prob = noise_prob
+        self.same_question = same_question
+        self.rng = random.Random(seed)
+        self.keys = self.embed([query_text(s.key, max_chars) for s in self.steps]) if self.steps else None
+
+    def retrieve(self, queries, question_ids=None):
+        if not self.steps:
+            return [None] * len(queries)
+        q = self.embed([query_text(x, self.max_chars) for x in queries])
+        scores = q @ self.keys.T
+        out = []
+        for i in range(len(queries)):
+            row = scores[i].copy()
+            if not self.same_question and question_ids is not None:
+                for j, s in enumerate(self.steps):
+                    if s.question_id == question_ids[i]:
+                        row[j] = -np.inf
+            if not np.isfinite(row).any():
+                out.append(None)
+                continue
+            j = int(np.argmax(row))
+            noise = self.rng.random() < self.noise_prob
+            if noise:
+                j = self.rng.randrange(len(self.steps))
+            s = self.steps[j]
+            out.append(RetrievedStep(s.value, list(s.value_ids), float(row[j]), s.reward, s.question_id, noise))
+        return out

@@ -1,0 +1,194 @@
+"""Loaders for real data, normalised to ``Example(id, question, answers, kind, source)``.
+
+Shapes handled (any file of these shapes loads, not only the shipped ones):
+- verl parquet (Tool-Star/ARPO RL sets): ``prompt`` = list of {role, content}, ``reward_model.ground_truth``,
+  ``ability`` (math | qa), ``extra_info.question``;
+- jsonl with a question under ``question`` | ``problem`` | ``Question`` and an answer under ``answer`` |
+  ``Final answer`` as a string, a list of aliases, or a GSM8K rationale ending in ``#### x``.
+A malformed row raises ``DataError`` naming file, row and field, or is skipped and counted when
+``skip_bad_rows`` is set.
+
+Also: GSM8K gold solutions converted to protocol trajectories whose steps are python calls taken from the
+``<<a*b=c>>`` calculator annotations, real off-policy step traces for the python tool.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rapo_ray.agent.protocol import ANSWER, PYTHON, RESULT, THINK
+
+MATH_SOURCES = {"gsm8k", "math500", "aime24", "aime25", "math"}
+QUESTION_KEYS = ("question", "problem", "Question")
+ANSWER_KEYS = ("answer", "Final answer", "final_answer")
+
+
+class DataError(ValueError):
+    """A data file or row that cannot be read; the message names file, row and field."""
+
+
+@dataclass(frozen=True)
+class Example:
+    id: str
+    question: str
+    answers: tuple[str, ...]
+    kind: str  # "math" | "qa"
+    source: str
+
+
+@dataclass
+class LoadReport:
+    path: str
+    loaded: int = 0
+    skipped: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+def _kind_for(path: Path, row: dict) -> str:
+    ability = row.get("ability")
+    if ability in ("math", "qa"):
+        return ability
+    name = path.parent.name.lower() if path.name.startswith("test") else path.stem.lower()
+    return "math" if any(s in name for s in MATH_SOURCES) else "qa"
+
+
+def _answers_from(value, where: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        if "####" in value:  # GSM8K rationale
+            value = value.rsplit("####", 1)[1]
+        value = value.strip()
+        if not value:
+            raise DataError(f"{where}: empty answer")
+        return (value,)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return (str(value),)
+    if isinstance(value, list) and value and all(isinstance(v, (str, int, float)) for v in value):
+        return tuple(str(v).strip() for v in value)
+    raise DataError(f"{where}: answer must be a string or a non-empty list of strings, got {type(value).__name__}")
+
+
+def _row_to_example(path: Path, idx: int, row: dict, source: str) -> Example:
+    where = f"{path}: row {idx}"
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected an object, got {type(row).__name__}")
+    if "prompt" in row and "reward_model" in row:  # verl format
+        rm = row.get("reward_model") or {}
+        if not isinstance(rm, dict) or "ground_truth" not in rm:
+            raise DataError(f"{where}: field 'reward_model.ground_truth' missing")
+        extra = row.get("extra_info") or {}
+        question = extra.get("question") if isinstance(extra, dict) else None
+        if not question:
+            msgs = row.get("prompt")
+            users = [m.get("content") for m in msgs or [] if isinstance(m, dict) and m.get("role") == "user"]
+            if not users:
+                raise DataError(f"{where}: field 'prompt' has no user message and 'extra_info.question' is missing")
+            question = users[-1]
+        answers = _answers_from(rm["ground_truth"], f"{where}: field 'reward_model.ground_truth'")
+        ex_id = f"{source}-{extra.get('index', idx) if isinstance(extra, dict) else idx}"
+    else:
+        qkey = next((k for k in QUESTION_KEYS if k in row), None)
+        if qkey is None:
+            raise DataError(f"{where}: no question field (tried {list(QUESTION_KEYS)}); fields present: {sorted(row)}")
+        question = row[qkey]
+        if not isinstance(question, str) or not question.strip():
+            raise DataError(f"{where}: field {qkey!r} must be a non-empty string")
+        akey = next((k for k in ANSWER_KEYS if k in row), None)
+        if akey is None:
+            raise DataError(f"{where}: no answer field (tried {list(ANSWER_KEYS)}); fields present: {sorted(row)}")
+        answers = _answers_from(row[akey], f"{where}: field {akey!r}")
+        ex_id = f"{source}-{row.get('id', row.get('idx', idx))}"
+    return Example(str(ex_id), question.strip(), answers, _kind_for(path, row), source)
+
+
+def _source_name(path: Path) -> str:
+    return path.parent.name if path.stem in ("test", "train", "valid", "dev") else path.stem
+
+
+def load_examples(path: str | Path, skip_bad_rows: bool = False, limit: int | None = None) -> tuple[list[Example], LoadReport]:
+    """Load a .jsonl or .parquet file of questions and answers."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"data file {p} does not exist")
+    report, out = LoadReport(str(p)), []
+    source = _source_name(p)
+    rows = _iter_rows(p)
+    for idx, row in enumerate(rows):
+        if limit is not None and len(out) >= limit:
+            break
+        try:
+            if isinstance(row, DataError):
+                raise row
+            out.append(_row_to_example(p, idx, row, source))
+            report.loaded += 1
+        except DataError as exc:
+            if not skip_bad_rows:
+                raise
+            report.skipped += 1
+            report.errors.append(str(exc))
+    return out, report
+
+
+def _iter_rows(p: Path):
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(p)
+        except Exception as exc:
+            raise DataError(f"{p}: not a readable parquet file: {exc}") from exc
+        for batch in table.to_batches(max_chunksize=1024):
+            yield from batch.to_pylist()
+    elif p.suffix in (".jsonl", ".json"):
+        with open(p, encoding="utf-8") as f:
+            for idx, line in enumerate(f):
+                if not line.strip():
+                    continue
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as exc:
+                    yield DataError(f"{p}: row {idx}: invalid JSON: {exc.msg}")
+    else:
+        raise DataError(f"{p}: unsupported file type {p.suffix!r} (use .jsonl or .parquet)")
+
+
+# ---------------------------------------------------------------- GSM8K gold solutions -> trajectories
+
+_CALC = re.compile(r"<<([^<>=]+)=([^<>]*)>>")
+
+
+@dataclass(frozen=True)
+class CalcStep:
+    thought: str  # the solution sentence, annotation removed
+    expression: str  # python expression from the annotation
+    expected: str  # the annotated result
+
+
+def gsm8k_calc_steps(solution: str) -> list[CalcStep]:
+    """One step per ``<<expr=result>>`` annotation, with the sentence it appears in as the thought."""
+    steps = []
+    for line in solution.split("\n"):
+        if line.startswith("####"):
+            continue
+        for m in _CALC.finditer(line):
+            expr = m.group(1).replace("x", "*").replace("÷", "/").replace("^", "**").strip()
+            thought = _CALC.sub("", line).strip()
+            steps.append(CalcStep(thought, expr, m.group(2).strip()))
+    return steps
+
+
+def gsm8k_to_trajectory_text(solution: str, answer: str, run_python) -> tuple[str, list[bool]]:
+    """Protocol text of a GSM8K gold solution: each annotation becomes ``<python>print(expr)</python>`` whose
+    ``<result>`` is produced by ``run_python`` (the real sandbox); returns the text and, per step, whether
+    the tool reproduced the annotated value."""
+    parts, matches = [], []
+    for step in gsm8k_calc_steps(solution):
+        result = run_python(f"print({step.expression})")
+        from rapo_ray.envs.rewards import math_equal
+
+        matches.append(result.ok and math_equal(result.text, step.expected))
+        parts.append(f"{THINK[0]}{step.thought}{THINK[1]}{PYTHON[0]}print({step.expression}){PYTHON[1]}{RESULT[0]}{result.text}{RESULT[1]}")
+    parts.append(f"{THINK[0]}done{THINK[1]}{ANSWER[0]}\\boxed{{{answer}}}{ANSWER[1]}")
+    return "".join(parts), matches

@@ -1,0 +1,45 @@
+"""Assemble the environment of a run: task splits as loop ``Task``s and the tools they need."""
+
+from __future__ import annotations
+
+from rapo_ray.agent.loop import Task
+from rapo_ray.envs import tasks as bundled
+from rapo_ray.envs.tools import LexicalIndex, PythonSandbox, SandboxLimits, SearchTool, ToolSet
+
+FAMILY_KIND = {"arith": "math", "multihop": "qa"}
+
+
+def to_task(problem) -> Task:
+    if isinstance(problem, bundled.Problem):
+        return Task(problem.id, problem.question, tuple(problem.answers), FAMILY_KIND[problem.family])
+    return Task(problem.id, problem.question, tuple(problem.answers), problem.kind)  # loaders.Example
+
+
+def family_of(task_id: str) -> str:
+    return task_id.split("-", 1)[0]
+
+
+def task_splits(tasks_cfg, difficulty: dict | None = None) -> tuple[dict[str, list[Task]], dict[str, list[Task]]]:
+    """Train and test tasks per family (bundled families, then real data files as their own families)."""
+    from rapo_ray.envs.loaders import load_examples
+
+    difficulty = difficulty or {}
+    train, test = {}, {}
+    for fam in tasks_cfg.families:
+        d = difficulty.get(fam)
+        train[fam] = [to_task(p) for p in bundled.generate(fam, "train", tasks_cfg.train_size, tasks_cfg.seed, d)]
+        test[fam] = [to_task(p) for p in bundled.generate(fam, "test", tasks_cfg.test_size, tasks_cfg.seed, d)]
+    for path in tasks_cfg.data_files:
+        examples, _ = load_examples(path, skip_bad_rows=tasks_cfg.skip_bad_rows)
+        name = examples[0].source if examples else path
+        train[name] = [to_task(e) for e in examples]
+    return train, test
+
+
+def build_tools(tasks_cfg, rollout_cfg, search_index=None, max_concurrency: int = 2) -> ToolSet:
+    """Python sandbox + search (the bundled fact corpus by default; any index with ``search(q, k)``)."""
+    limits = SandboxLimits(timeout_s=rollout_cfg.tool_timeout_s, cpu_s=max(1, int(rollout_cfg.tool_timeout_s)),
+                           output_chars=rollout_cfg.tool_output_chars)
+    if search_index is None:
+        search_index = LexicalIndex(bundled.make_world(tasks_cfg.seed).documents())
+    return ToolSet(PythonSandbox(limits, max_concurrency), SearchTool(search_index, 3, rollout_cfg.tool_output_chars), max_concurrency)

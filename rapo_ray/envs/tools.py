@@ -1,0 +1,236 @@
+"""Tools the agent calls: a sandboxed python interpreter and search over a document corpus.
+
+A tool never raises on the model's input: every failure (timeout, crash, empty code, no hits) comes back
+as a ``ToolResult`` with ``ok=False`` and a short error text, which the loop shows the model.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, Sequence
+
+RUNNER = Path(__file__).with_name("sandbox_runner.py")
+NOBODY = 65534
+
+
+@dataclass
+class ToolResult:
+    text: str
+    ok: bool
+    elapsed_s: float = 0.0
+
+
+@dataclass
+class SandboxLimits:
+    timeout_s: float = 5.0  # wall clock
+    cpu_s: int = 5  # RLIMIT_CPU
+    memory_mb: int = 512  # RLIMIT_AS
+    max_processes: int = 16  # RLIMIT_NPROC (enforced for the unprivileged user)
+    file_size_mb: float = 1.0  # RLIMIT_FSIZE: bounds stdout and any file the code writes
+    output_chars: int = 512  # what the model sees
+
+
+def _probe_isolation() -> list[str]:
+    """Command prefix that adds a network namespace and drops to ``nobody`` where this process may."""
+    if os.geteuid() != 0:
+        return []
+    prefix = []
+    if shutil.which("unshare") and subprocess.run(["unshare", "--net", "true"], capture_output=True).returncode == 0:
+        prefix = ["unshare", "--net", "--"]
+    if shutil.which("setpriv"):
+        prefix += ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--"]
+    return prefix
+
+
+class PythonSandbox:
+    """Runs model-written python in a separate, limited process; a thread pool runs calls concurrently.
+
+    Isolation: rlimits (CPU time, address space, processes, file size), a private temporary working
+    directory, a wall-clock timeout that kills the whole process group, an audit hook in the child that
+    refuses writes outside its directory, sockets and new processes, and where this process is root, a
+    network namespace with no interfaces plus an unprivileged user (so RLIMIT_NPROC applies).
+    """
+
+    def __init__(self, limits: SandboxLimits | None = None, max_concurrency: int = 4):
+        self.limits = limits or SandboxLimits()
+        self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="pysandbox")
+        self._prefix = _probe_isolation()
+        self._lock = threading.Lock()
+
+    def _preexec(self):
+        lim = self.limits
+        resource.setrlimit(resource.RLIMIT_CPU, (lim.cpu_s, lim.cpu_s + 1))
+        mem = lim.memory_mb << 20
+        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+        fsize = int(lim.file_size_mb * (1 << 20))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+        resource.setrlimit(resource.RLIMIT_NPROC, (lim.max_processes, lim.max_processes))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+    def run(self, code: str) -> ToolResult:
+        import time
+
+        t0 = time.perf_counter()
+        if not code or not code.strip():
+            return ToolResult("Error: empty code", False, 0.0)
+        work = Path(tempfile.mkdtemp(prefix="rapo_py_"))
+        try:
+            if self._prefix:
+                os.chown(work, NOBODY, NOBODY)
+            (work / "main.py").write_text(code)
+            out_path, err_path = work / "stdout.txt", work / "stderr.txt"
+            with open(out_path, "wb") as out, open(err_path, "wb") as err:
+                if self._prefix:
+                    os.chown(out_path, NOBODY, NOBODY)
+                    os.chown(err_path, NOBODY, NOBODY)
+                cmd = self._prefix + [sys.executable, "-I", "-S", str(RUNNER), "main.py"]
+                env = {"PATH": "/usr/bin:/bin", "PYTHONIOENCODING": "utf-8", "HOME": str(work), "OMP_NUM_THREADS": "1"}
+                proc = subprocess.Popen(cmd, cwd=work, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
+                                        preexec_fn=self._preexec, start_new_session=True)
+                timed_out = False
+                try:
+                    proc.wait(timeout=self.limits.timeout_s)
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+                    self._kill_group(proc)
+                    proc.wait()
+            stdout = self._read(out_path)
+            stderr = self._read(err_path)
+            elapsed = time.perf_counter() - t0
+            rc = proc.returncode
+            if timed_out:
+                return ToolResult(f"Error: timed out after {self.limits.timeout_s:g} s", False, elapsed)
+            if rc == -signal.SIGXFSZ:
+                return ToolResult(self._cut(stdout) + "\nError: output limit exceeded", False, elapsed)
+            if rc == -signal.SIGXCPU or rc == -signal.SIGKILL:
+                return ToolResult(f"Error: CPU time limit ({self.limits.cpu_s} s) exceeded", False, elapsed)
+            if rc != 0:
+                last = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+                msg = last[-1] if last else f"exit code {rc}"
+                if "[Errno 27]" in msg:  # EFBIG: Python ignores SIGXFSZ, so the write fails instead
+                    msg = f"output limit exceeded ({self.limits.file_size_mb:g} MB)"
+                return ToolResult(self._cut(f"Error: {msg}"), False, elapsed)
+            return ToolResult(self._cut(stdout.rstrip("\n")), True, elapsed)
+        except Exception as exc:  # the host must survive anything the tool does
+            return ToolResult(f"Error: sandbox failure: {type(exc).__name__}: {exc}", False, 0.0)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    def submit(self, code: str):
+        return self.pool.submit(self.run, code)
+
+    def _read(self, path: Path) -> str:
+        with open(path, "rb") as f:
+            return f.read(self.limits.output_chars * 4 + 1024).decode("utf-8", "replace")
+
+    def _cut(self, text: str) -> str:
+        n = self.limits.output_chars
+        return text if len(text) <= n else text[:n] + "...(truncated)"
+
+    @staticmethod
+    def _kill_group(proc):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def close(self):
+        self.pool.shutdown(wait=True)
+
+
+# ---------------------------------------------------------------- search
+
+
+class DocumentIndex(Protocol):
+    def search(self, query: str, k: int) -> list[tuple[str, float]]: ...
+
+
+_WORD = re.compile(r"[a-z0-9]+")
+
+
+def _words(text: str) -> list[str]:
+    """Unigrams plus adjacent-word bigrams, so word order counts ("of X" differs from "X is")."""
+    w = _WORD.findall(text.lower())
+    return w + [f"{a}_{b}" for a, b in zip(w, w[1:])]
+
+
+class LexicalIndex:
+    """In-memory TF-IDF index: the search tool's default for the bundled corpus and for tests.
+
+    The Milvus-backed dense index (rapo_ray.retrieval) implements the same ``search(query, k)``.
+    """
+
+    def __init__(self, documents: Sequence[str]):
+        if not documents:
+            raise ValueError("LexicalIndex needs at least one document")
+        self.documents = list(documents)
+        self._tf = [Counter(_words(d)) for d in self.documents]
+        df = Counter(w for tf in self._tf for w in tf)
+        n = len(self.documents)
+        self._idf = {w: math.log(1 + n / c) for w, c in df.items()}
+        self._postings: dict[str, list[int]] = {}
+        for i, tf in enumerate(self._tf):
+            for w in tf:
+                self._postings.setdefault(w, []).append(i)
+
+    def search(self, query: str, k: int = 3) -> list[tuple[str, float]]:
+        q = set(_words(query))
+        scores: Counter = Counter()
+        for w in q:
+            for i in self._postings.get(w, ()):
+                scores[i] += self._idf[w]
+        return [(self.documents[i], s) for i, s in scores.most_common(k)]
+
+
+class SearchTool:
+    def __init__(self, index: DocumentIndex, top_k: int = 3, output_chars: int = 512):
+        self.index, self.top_k, self.output_chars = index, top_k, output_chars
+
+    def run(self, query: str) -> ToolResult:
+        if not query or not query.strip():
+            return ToolResult("Error: empty query", False)
+        try:
+            hits = self.index.search(query.strip(), self.top_k)
+        except Exception as exc:
+            return ToolResult(f"Error: search failed: {type(exc).__name__}: {exc}", False)
+        if not hits:
+            return ToolResult("No results.", True)
+        text = "\n".join(doc for doc, _ in hits)
+        return ToolResult(text[: self.output_chars], True)
+
+
+class ToolSet:
+    """The tools by tag name, with a shared pool so calls in one batch run concurrently."""
+
+    def __init__(self, python: PythonSandbox | None = None, search: SearchTool | None = None, max_concurrency: int = 4):
+        self.python, self.search = python, search
+        self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="tools")
+
+    def call(self, tool: str, content: str) -> ToolResult:
+        if tool == "python" and self.python is not None:
+            return self.python.run(content)
+        if tool == "search" and self.search is not None:
+            return self.search.run(content)
+        return ToolResult(f"Error: tool {tool!r} is not available", False)
+
+    def call_many(self, calls: Sequence[tuple[str, str]]) -> list[ToolResult]:
+        futures = [self.pool.submit(self.call, tool, content) for tool, content in calls]
+        return [f.result() for f in futures]
+
+    def close(self):
+        self.pool.shutdown(wait=True)
+        if self.python is not None:
+            self.python.close()
