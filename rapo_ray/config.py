@@ -56,6 +56,7 @@ class TasksConfig:
     seed: int = _f(1234, "Seed of the task generators.")
     data_files: list = _f([], "Real data files to add (toolstar parquet, eval jsonl); see rapo_ray.envs.loaders.")
     skip_bad_rows: bool = _f(False, "Skip and count malformed data rows instead of raising.")
+    system_prompt: str = _f("auto", "System prompt: auto (short for the bundled model, the paper's for HF checkpoints), paper, short, or the text itself.")
 
 
 @dataclass
@@ -97,6 +98,7 @@ class RetrievalConfig:
     same_question: bool = _f(True, "Allow hits from the same question's trajectories (the paper's default).")
     buffer_samples_per_question: int = _f(16, "N: off-policy trajectories sampled per question when building the buffer.")
     buffer_keep_top_k: int = _f(5, "K: trajectories kept per question by reward.")
+    buffer_error_rate: float = _f(0.25, "Bundled tasks: per-step error rate of the scripted off-policy expert (so the N samples differ in reward).")
     insert_on_policy: bool = _f(False, "Insert successful on-policy steps into the buffer during training (off in the paper).")
 
 
@@ -174,7 +176,11 @@ class TrainerConfig:
     eval_size: int = _f(100, "Held-out problems per family per evaluation.")
     seed: int = _f(0, "Global seed.")
     sft_examples: int = _f(400, "Warm-start demonstrations per family (deliberately limited).")
+    rl_questions: int = _f(200, "Training questions per family used for RL, taken after the warm-start ones; the step-trace buffer is built from the same questions (the paper's setting).")
     sft_steps: int = _f(600, "Warm-start optimiser steps.")
+    sft_lr: float = _f(2e-3, "Warm-start peak learning rate (cosine decay, 50 warm-up steps).")
+    sft_batch_size: int = _f(16, "Warm-start sequences per step.")
+    sft_hybrid_fraction: float = _f(0.3, "Share of warm-start demos that contain a loss-masked <retrieve> block from another question.")
 
 
 @dataclass
@@ -219,7 +225,7 @@ class Config:
             (a.group_size >= 1, f"algo.group_size ({a.group_size}) must be >= 1"),
             (0 <= a.n_hybrid <= a.group_size, f"algo.n_hybrid ({a.n_hybrid}) must be in [0, algo.group_size={a.group_size}]"),
             (0.0 <= a.retrieve_prob <= 1.0, f"algo.retrieve_prob ({a.retrieve_prob}) must be in [0, 1]"),
-            (1 <= a.arpo_initial_rollouts <= a.group_size, f"algo.arpo_initial_rollouts ({a.arpo_initial_rollouts}) must be in [1, algo.group_size]"),
+            (a.name != "arpo" or 1 <= a.arpo_initial_rollouts <= a.group_size, f"algo.arpo_initial_rollouts ({a.arpo_initial_rollouts}) must be in [1, algo.group_size]"),
             (0 <= a.clip_low < 1 and a.clip_high >= 0, "algo.clip_low must be in [0, 1) and algo.clip_high >= 0"),
             (a.dual_clip == 0 or a.dual_clip > 1, f"algo.dual_clip ({a.dual_clip}) must be 0 (off) or > 1"),
             (r.num_workers >= 1, f"rollout.num_workers ({r.num_workers}) must be >= 1"),
@@ -280,6 +286,11 @@ def _coerce(value: Any, tp, key: str):
     elif base is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "3e-3" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif base is str:
         if isinstance(value, str):
             return value

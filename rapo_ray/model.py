@@ -150,11 +150,14 @@ def save_model(model, tokenizer, path: str | Path) -> Path:
 # ---------------------------------------------------------------- the bundled model
 
 
+TOKENIZER_CORPUS_VERSION = 2  # bump when tokenizer_corpus changes, so cached bundled models are rebuilt
+
+
 def tokenizer_corpus(cfg) -> list[str]:
     """Texts the bundled tokenizer is trained on: prompts and expert solutions of every bundled family."""
     from rapo_ray.envs import tasks
 
-    texts = [protocol.SYSTEM_PROMPT] * 200  # frequent enough that BPE merges its words
+    texts = [protocol.SYSTEM_PROMPT, protocol.SHORT_SYSTEM_PROMPT] * 200  # frequent enough that BPE merges their words
     for fam in cfg.tasks.families:
         for split, n in (("train", min(cfg.tasks.train_size, 2000)), ("test", min(cfg.tasks.test_size, 200))):
             for prob in tasks.generate(fam, split, n, cfg.tasks.seed):
@@ -172,7 +175,7 @@ def bundled_model_dir(cfg) -> Path:
             "m": [cfg.model.hidden_size, cfg.model.num_layers, cfg.model.num_heads, cfg.model.num_kv_heads,
                   cfg.model.intermediate_size, cfg.model.max_position_embeddings, cfg.model.tie_word_embeddings,
                   cfg.model.dtype, cfg.model.seed],
-            "t": [cfg.tokenizer.vocab_size, sorted(cfg.tasks.families), cfg.tasks.seed],
+            "t": [cfg.tokenizer.vocab_size, sorted(cfg.tasks.families), cfg.tasks.seed, TOKENIZER_CORPUS_VERSION],
         }
     )
     digest = hashlib.sha1(key.encode()).hexdigest()[:10]

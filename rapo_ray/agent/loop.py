@@ -59,17 +59,21 @@ class LoopSettings:
     arpo_tau: float = 0.5
     arpo_beta: float = 0.2
     arpo_entropy_tokens: int = 20
+    system_prompt: str = protocol.SYSTEM_PROMPT
 
     @classmethod
-    def from_config(cls, rollout_cfg, algo_cfg=None, evaluation: bool = False) -> "LoopSettings":
+    def from_config(cls, cfg, evaluation: bool = False) -> "LoopSettings":
+        """Settings of a run (``Config``); ``evaluation``: greedy, no retrieval, no branching."""
+        rollout_cfg, algo_cfg = cfg.rollout, cfg.algo
         s = cls(
             temperature=0.0 if evaluation else rollout_cfg.temperature,
             top_p=1.0 if evaluation else rollout_cfg.top_p,
             max_response_tokens=rollout_cfg.max_response_tokens,
             max_step_tokens=rollout_cfg.max_step_tokens,
             max_tool_calls=rollout_cfg.max_tool_calls,
+            system_prompt=protocol.system_prompt_for(cfg.tasks.system_prompt, bundled=not cfg.model.path),
         )
-        if algo_cfg is not None and not evaluation:
+        if not evaluation:
             s.retrieve_prob = algo_cfg.retrieve_prob
             if algo_cfg.name == "arpo":
                 s.arpo_initial = algo_cfg.arpo_initial_rollouts
@@ -92,10 +96,10 @@ class RolloutStats:
 
 class AgentLoop:
     def __init__(self, engine: InferenceEngine, tokenizer, tools: ToolSet, settings: LoopSettings,
-                 retriever: StepRetriever | None = None, system_prompt: str = protocol.SYSTEM_PROMPT):
+                 retriever: StepRetriever | None = None):
         self.engine, self.tok, self.tools, self.s = engine, tokenizer, tools, settings
         self.retriever = retriever
-        self.system_prompt = system_prompt
+        self.system_prompt = settings.system_prompt
         self.rng = random.Random(settings.seed)
         self.eos_id = tokenizer.eos_token_id
         # Stop on closing tool tags and </answer>: by token id where the tag is one token (the bundled

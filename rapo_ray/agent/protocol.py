@@ -31,6 +31,22 @@ SYSTEM_PROMPT = (
     "Additional context may be enclosed in <retrieve> </retrieve> tags. Use it if helpful."
 )
 
+# The bundled small model learns the protocol in its warm start, so it needs no instructions; a short prompt
+# keeps every sequence ~250 tokens shorter (3x cheaper rollouts and updates on a CPU).
+SHORT_SYSTEM_PROMPT = "Solve with tools. <retrieve> blocks hold context from other solutions."
+
+
+def system_prompt_for(setting: str, bundled: bool) -> str:
+    """``auto``: the short prompt for the bundled model, the paper's for real checkpoints."""
+    if setting == "auto":
+        return SHORT_SYSTEM_PROMPT if bundled else SYSTEM_PROMPT
+    if setting == "paper":
+        return SYSTEM_PROMPT
+    if setting == "short":
+        return SHORT_SYSTEM_PROMPT
+    return setting
+
+
 _BOXED = re.compile(r"\\boxed\{")
 
 

@@ -1,0 +1,50 @@
+"""Held-out evaluation: pass@1 per family, no retrieval, through the same agent loop as training."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rapo_ray.agent.loop import AgentLoop, LoopSettings, Task
+
+
+@dataclass
+class FamilyResult:
+    n: int
+    accuracy: float  # exact match (QA) / equivalence (math)
+    f1: float
+    format_valid: float
+    mean_tool_calls: float
+    mean_response_tokens: float
+
+    def as_dict(self) -> dict:
+        return self.__dict__.copy()
+
+
+def evaluate(engine, tokenizer, tools, tasks_by_family: dict[str, list[Task]], cfg, limit: int | None = None,
+             temperature: float = 0.0, samples: int = 1, seed: int = 0) -> dict[str, FamilyResult]:
+    """Greedy (default) or sampled pass@1 on each family. ``samples`` > 1 averages over samples per task."""
+    settings = LoopSettings.from_config(cfg, evaluation=True)
+    settings.temperature, settings.seed = temperature, seed
+    loop = AgentLoop(engine, tokenizer, tools, settings, retriever=None)
+    out = {}
+    for fam, tasks in tasks_by_family.items():
+        tasks = tasks[:limit] if limit else tasks
+        trajs, _ = loop.run_groups(tasks, group_size=samples, n_hybrid=0)
+        n = len(trajs)
+        out[fam] = FamilyResult(
+            n=len(tasks),
+            accuracy=sum(t.correct for t in trajs) / n,
+            f1=sum(t.f1 for t in trajs) / n,
+            format_valid=sum(t.format_ok for t in trajs) / n,
+            mean_tool_calls=sum(t.tool_calls for t in trajs) / n,
+            mean_response_tokens=sum(len(t.response_ids) for t in trajs) / n,
+        )
+    return out
+
+
+def format_table(results: dict[str, FamilyResult], title: str = "") -> str:
+    lines = [title] if title else []
+    lines.append(f"{'family':12} {'n':>5} {'acc':>7} {'f1':>7} {'format':>7} {'tools':>6} {'tokens':>7}")
+    for fam, r in results.items():
+        lines.append(f"{fam:12} {r.n:5d} {r.accuracy:7.3f} {r.f1:7.3f} {r.format_valid:7.3f} {r.mean_tool_calls:6.2f} {r.mean_response_tokens:7.1f}")
+    return "\n".join(lines)

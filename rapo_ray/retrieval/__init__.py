@@ -1,0 +1,1 @@
+"""Step-trace retrieval: MiniLM embedder, Milvus store, Ray Serve deployment, buffer builder."""

@@ -1,0 +1,133 @@
+"""The retrieval service: a Ray Serve deployment over the Milvus step store, batched with ``@serve.batch``.
+
+- DeploymentHandle API (what rollout workers use): ``handle.retrieve.remote(queries, top_k, question_ids)``
+- HTTP: ``POST /retrieve {"queries": [...], "top_k": k}`` -> ``{"results": [[{value, score, reward, meta}]]}``
+Concurrent callers' queries are embedded and searched together; the batch size and wait come from config.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict
+from typing import Sequence
+
+from ray import serve
+
+from rapo_ray.agent.retriever import RetrievedStep
+
+
+def _as_dict(hit: RetrievedStep) -> dict:
+    d = asdict(hit)
+    return {"value": d["value"], "value_ids": d["value_ids"], "score": d["score"], "reward": d["reward"],
+            "meta": {"question_id": d["question_id"], "noise": d["noise"]}}
+
+
+@serve.deployment(name="StepRetriever", ray_actor_options={"num_cpus": 0})
+class StepRetrieverService:
+    def __init__(self, uri: str, collection: str, token: str = "", pooling: str = "last", max_chars: int = 1300,
+                 top_k: int = 3, max_batch_size: int = 256, batch_wait_ms: float = 100.0, batching: bool = True):
+        import torch
+
+        torch.set_num_threads(1)
+        from rapo_ray.retrieval.embedder import Embedder
+        from rapo_ray.retrieval.store import MilvusStepStore
+
+        self.embedder = Embedder(pooling=pooling, max_chars=max_chars)
+        self.store = MilvusStepStore(uri, collection, self.embedder.dim, token=token, create=True)
+        self.top_k = top_k
+        self.batching = batching
+        self._batched.set_max_batch_size(max_batch_size)
+        self._batched.set_batch_wait_timeout_s(batch_wait_ms / 1000.0)
+
+    def _search(self, items: Sequence[tuple[list[str], int, list | None]]) -> list[list[list[dict]]]:
+        flat, owners = [], []
+        for k, (queries, _, _) in enumerate(items):
+            flat.extend(queries)
+            owners.extend([k] * len(queries))
+        if not flat:
+            return [[] for _ in items]
+        vectors = self.embedder.embed(flat)
+        top = max(t for _, t, _ in items)
+        excl = []
+        for queries, _, qids in items:
+            excl.extend(qids if qids else [None] * len(queries))
+        hits = self.store.search(vectors, top, exclude_question=excl if any(excl) else None)
+        out: list[list[list[dict]]] = [[] for _ in items]
+        for owner, row in zip(owners, hits):
+            out[owner].append([_as_dict(h) for h in row[: items[owner][1]]])
+        return out
+
+    @serve.batch(max_batch_size=256, batch_wait_timeout_s=0.1)
+    async def _batched(self, items: list[tuple[list[str], int, list | None]]) -> list[list[list[dict]]]:
+        return self._search(items)
+
+    async def retrieve(self, queries: list[str], top_k: int | None = None, question_ids: list[str] | None = None) -> list[list[dict]]:
+        item = (list(queries), int(top_k or self.top_k), list(question_ids) if question_ids else None)
+        if self.batching:
+            return await self._batched(item)
+        return self._search([item])[0]
+
+    def count(self) -> int:
+        return self.store.count()
+
+    def sample(self, n: int, seed: int = 0) -> list[dict]:
+        return [_as_dict(h) for h in self.store.random_steps(n, seed)]
+
+    async def __call__(self, request):
+        from starlette.responses import JSONResponse
+
+        try:
+            body = await request.json()
+        except Exception:
+            return JSONResponse({"error": "body must be JSON"}, status_code=400)
+        if not isinstance(body, dict) or not isinstance(body.get("queries"), list) or not all(isinstance(q, str) for q in body["queries"]):
+            return JSONResponse({"error": "'queries' must be a list of strings"}, status_code=400)
+        top_k = body.get("top_k", self.top_k)
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or not (1 <= top_k <= 100):
+            return JSONResponse({"error": "'top_k' must be an integer in [1, 100]"}, status_code=400)
+        if len(body["queries"]) > 1024:
+            return JSONResponse({"error": "at most 1024 queries per request"}, status_code=400)
+        return JSONResponse({"results": await self.retrieve(body["queries"], top_k)})
+
+    def check_health(self):
+        self.store.count()  # raises if Milvus went away; Serve restarts the replica
+
+
+def build_app(rcfg, uri: str, batching: bool = True):
+    """The Serve application for ``RetrievalConfig`` ``rcfg`` over the store at ``uri``."""
+    return StepRetrieverService.options(
+        autoscaling_config={"min_replicas": rcfg.min_replicas, "max_replicas": rcfg.max_replicas,
+                            "target_ongoing_requests": rcfg.target_ongoing_requests},
+        max_ongoing_requests=max(rcfg.max_batch_size, 64),
+    ).bind(uri, rcfg.collection, rcfg.milvus_token, rcfg.pooling, rcfg.query_max_chars, rcfg.top_k,
+           rcfg.max_batch_size, rcfg.batch_wait_ms, batching)
+
+
+class HandleStepRetriever:
+    """``StepRetriever`` over the Serve deployment handle, top-1 by score (spec §8.4), optional noise."""
+
+    def __init__(self, handle, noise_prob: float = 0.0, same_question: bool = True, seed: int = 0, max_chars: int = 1300):
+        self.handle, self.noise_prob, self.same_question = handle, noise_prob, same_question
+        self.rng = random.Random(seed)
+        self.max_chars = max_chars
+        self._noise_pool: list[dict] = []
+
+    def retrieve(self, queries, question_ids=None):
+        if not queries:
+            return []
+        excl = list(question_ids) if (question_ids is not None and not self.same_question) else None
+        rows = self.handle.retrieve.remote([q[-self.max_chars:] for q in queries], 1, excl).result()
+        out = []
+        for row in rows:
+            if not row:
+                out.append(None)
+                continue
+            hit = row[0]
+            if self.noise_prob and self.rng.random() < self.noise_prob:
+                if not self._noise_pool:
+                    self._noise_pool = self.handle.sample.remote(256, self.rng.randrange(2**31)).result()
+                if self._noise_pool:
+                    hit = self.rng.choice(self._noise_pool) | {"score": 0.0, "meta": {"question_id": "", "noise": True}}
+            out.append(RetrievedStep(hit["value"], list(hit["value_ids"]), float(hit["score"]), float(hit["reward"]),
+                                     hit["meta"].get("question_id", ""), bool(hit["meta"].get("noise", False))))
+        return out

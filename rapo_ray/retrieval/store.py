@@ -1,0 +1,198 @@
+"""The step-trace buffer in Milvus: one collection per buffer, HNSW (M 32, efConstruction 200, ef 128), IP.
+
+Default: embedded milvus-lite in a local folder (one process per folder; a second opener fails on its
+lock). When several processes need the same buffer (Serve replicas, the builder and the service),
+``MilvusLiteServer`` runs ``milvus-lite server`` on 127.0.0.1 as a managed child process and everyone
+connects by URI; a Milvus server or a managed service is the same code with another URI and a token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from rapo_ray.agent.retriever import RetrievedStep, StoredStep
+
+HNSW = {"M": 32, "efConstruction": 200}
+SEARCH_EF = 128
+MAX_TEXT = 16384
+
+
+class StoreError(RuntimeError):
+    """Milvus unreachable, or a collection that does not match what the caller expects."""
+
+
+def step_id(step: StoredStep) -> str:
+    """Deterministic primary key: re-inserting the same step is an upsert, never a duplicate."""
+    h = hashlib.sha1(json.dumps([step.question_id, step.key, step.value, step.source]).encode()).hexdigest()
+    return h[:32]
+
+
+def _connect(uri: str, token: str = "", timeout_s: float = 10.0):
+    from pymilvus import MilvusClient
+
+    if uri.startswith(("http://", "https://", "tcp://")):
+        host_port = uri.split("://", 1)[1].split("/", 1)[0]
+        host, _, port = host_port.partition(":")
+        try:
+            with socket.create_connection((host, int(port or 19530)), timeout=timeout_s):
+                pass
+        except OSError as exc:
+            raise StoreError(f"Milvus at {uri} is unreachable: {exc}") from None
+    else:
+        Path(uri).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        return MilvusClient(uri=uri, token=token, timeout=timeout_s)
+    except Exception as exc:
+        raise StoreError(f"cannot connect to Milvus at {uri}: {type(exc).__name__}: {exc}") from None
+
+
+@dataclass
+class StoreStats:
+    rows: int
+    dim: int
+
+
+class MilvusStepStore:
+    """Insert/search step traces. ``dim`` must match the collection's vector field."""
+
+    def __init__(self, uri: str, collection: str, dim: int, token: str = "", create: bool = True):
+        self.uri, self.collection, self.dim = uri, collection, dim
+        self.client = _connect(uri, token)
+        if self.client.has_collection(collection):
+            existing = self._collection_dim()
+            if existing != dim:
+                raise StoreError(f"collection {collection!r} at {uri} has vector dim {existing}, but the embedder gives {dim}")
+        elif create:
+            self._create()
+        else:
+            raise StoreError(f"collection {collection!r} does not exist at {uri}")
+
+    def _collection_dim(self) -> int:
+        for f in self.client.describe_collection(self.collection)["fields"]:
+            if f["name"] == "vector":
+                return int(f["params"]["dim"])
+        raise StoreError(f"collection {self.collection!r} has no 'vector' field")
+
+    def _create(self):
+        from pymilvus import DataType, MilvusClient
+
+        schema = MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
+        schema.add_field("id", DataType.VARCHAR, is_primary=True, max_length=64)
+        schema.add_field("vector", DataType.FLOAT_VECTOR, dim=self.dim)
+        schema.add_field("key", DataType.VARCHAR, max_length=MAX_TEXT)
+        schema.add_field("value", DataType.VARCHAR, max_length=MAX_TEXT)
+        schema.add_field("value_ids", DataType.VARCHAR, max_length=MAX_TEXT)  # JSON list of token ids
+        schema.add_field("reward", DataType.FLOAT)
+        schema.add_field("source", DataType.VARCHAR, max_length=256)
+        schema.add_field("question_id", DataType.VARCHAR, max_length=256)
+        schema.add_field("step_index", DataType.INT64)
+        idx = self.client.prepare_index_params()
+        idx.add_index(field_name="vector", index_type="HNSW", metric_type="IP", params=dict(HNSW))
+        self.client.create_collection(self.collection, schema=schema, index_params=idx)
+
+    def upsert(self, steps: Sequence[StoredStep], vectors: np.ndarray) -> int:
+        if len(steps) != len(vectors):
+            raise ValueError(f"{len(steps)} steps but {len(vectors)} vectors")
+        if len(steps) == 0:
+            return 0
+        if vectors.shape[1] != self.dim:
+            raise StoreError(f"vectors have dim {vectors.shape[1]}, collection {self.collection!r} has {self.dim}")
+        rows = [{
+            "id": step_id(s), "vector": v.astype(np.float32).tolist(), "key": s.key[-MAX_TEXT // 4:],
+            "value": s.value[: MAX_TEXT // 4], "value_ids": json.dumps(list(s.value_ids))[: MAX_TEXT - 1],
+            "reward": float(s.reward), "source": s.source[:255], "question_id": s.question_id[:255], "step_index": int(s.step_index),
+        } for s, v in zip(steps, vectors)]
+        self.client.upsert(self.collection, rows)
+        return len(rows)
+
+    def search(self, vectors: np.ndarray, top_k: int = 3, exclude_question: Sequence[str] | None = None) -> list[list[RetrievedStep]]:
+        if len(vectors) == 0:
+            return []
+        kwargs = {}
+        res = self.client.search(
+            self.collection, data=[v.astype(np.float32).tolist() for v in vectors], limit=top_k + (8 if exclude_question else 0),
+            output_fields=["value", "value_ids", "reward", "question_id"],
+            search_params={"metric_type": "IP", "params": {"ef": max(SEARCH_EF, top_k)}}, **kwargs)
+        out = []
+        for i, hits in enumerate(res):
+            row = []
+            for h in hits:
+                e = h["entity"]
+                if exclude_question and e["question_id"] == exclude_question[i]:
+                    continue
+                row.append(RetrievedStep(e["value"], json.loads(e["value_ids"]), float(h["distance"]), float(e["reward"]), e["question_id"]))
+            out.append(row[:top_k])
+        return out
+
+    def count(self) -> int:
+        return int(self.client.get_collection_stats(self.collection)["row_count"])
+
+    def random_steps(self, n: int, seed: int = 0) -> list[RetrievedStep]:
+        """A sample of stored steps (the noisy-retrieval study replaces hits with these)."""
+        rows = self.client.query(self.collection, filter="step_index >= 0", output_fields=["value", "value_ids", "reward", "question_id"], limit=max(n * 4, 64))
+        rng = np.random.default_rng(seed)
+        pick = rng.choice(len(rows), size=min(n, len(rows)), replace=False) if rows else []
+        return [RetrievedStep(rows[j]["value"], json.loads(rows[j]["value_ids"]), 0.0, float(rows[j]["reward"]), rows[j]["question_id"], True) for j in pick]
+
+    def close(self):
+        try:
+            self.client.close()
+        except Exception:
+            pass
+
+
+class MilvusLiteServer:
+    """``milvus-lite server --data-dir DIR --host 127.0.0.1 --port P`` as a managed child process."""
+
+    def __init__(self, data_dir: str | Path, port: int | None = None, start_timeout_s: float = 60.0):
+        self.data_dir = Path(data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.port = port or _free_port()
+        exe = shutil.which("milvus-lite") or str(Path(sys.executable).with_name("milvus-lite"))
+        if not Path(exe).exists():
+            raise StoreError("the milvus-lite executable was not found (pip install milvus-lite)")
+        self.log = open(self.data_dir / "milvus-lite-server.log", "ab")
+        self.proc = subprocess.Popen([exe, "server", "--data-dir", str(self.data_dir), "--host", "127.0.0.1", "--port", str(self.port)],
+                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + start_timeout_s
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise StoreError(f"milvus-lite server exited with code {self.proc.returncode}; see {self.data_dir / 'milvus-lite-server.log'}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                    return
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise StoreError(f"milvus-lite server did not listen on 127.0.0.1:{self.port} within {start_timeout_s:.0f} s")
+
+    @property
+    def uri(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,238 @@
+"""The rollout fleet: ``RolloutWorker`` actors (engine + agent loop + tools + retrieval handle) and the
+``RolloutFleet`` that feeds them prompt groups, grows and shrinks, and replaces dead workers.
+
+Exactly-once accounting: every group of a step has an id; the fleet hands out chunks of groups, records
+which worker holds which chunk, and when a worker dies re-queues exactly the groups of its unfinished
+chunk. Results are keyed by group id, so a group can never be counted twice.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import zlib
+from dataclasses import dataclass
+
+import ray
+
+
+class RolloutWorker:
+    def __init__(self, worker_id: int, model_dir: str, cfg_dict: dict, retrieval_app: str | None = None):
+        from rapo_ray.agent.loop import AgentLoop, LoopSettings
+        from rapo_ray.config import from_dict
+        from rapo_ray.engines import make_engine
+        from rapo_ray.envs.suite import build_tools
+        from rapo_ray.model import load_tokenizer, set_torch_threads
+
+        self.cfg = cfg = from_dict(cfg_dict)
+        set_torch_threads(cfg.rollout.threads_per_worker)
+        self.worker_id = worker_id
+        self.tok = load_tokenizer(model_dir)
+        self.engine = make_engine(cfg.rollout, model_dir, dtype=cfg.model.dtype, max_model_len=cfg.model.max_position_embeddings,
+                                  seed=cfg.trainer.seed + worker_id)
+        self.tools = build_tools(cfg.tasks, cfg.rollout)
+        retriever = None
+        if retrieval_app:
+            from ray import serve
+
+            from rapo_ray.retrieval.service import HandleStepRetriever
+
+            handle = serve.get_deployment_handle("StepRetriever", app_name=retrieval_app)
+            retriever = HandleStepRetriever(handle, cfg.retrieval.noise_prob, cfg.retrieval.same_question,
+                                            seed=cfg.trainer.seed + 1000 + worker_id, max_chars=cfg.retrieval.query_max_chars)
+        self.train_settings = LoopSettings.from_config(cfg)
+        self.eval_settings = LoopSettings.from_config(cfg, evaluation=True)
+        self.loop_cls = AgentLoop
+        self.retriever = retriever
+        self._collective: str | None = None
+
+    def ready(self) -> dict:
+        return {"worker_id": self.worker_id, "engine": self.engine.name, "version": self.engine.version}
+
+    def rollout(self, groups: list[tuple], group_size: int, n_hybrid: int, seed: int, evaluation: bool = False) -> dict:
+        """``groups``: (group_id, Task) pairs. Returns trajectory rows and timing stats."""
+        import copy
+
+        settings = copy.copy(self.eval_settings if evaluation else self.train_settings)
+        settings.seed = seed
+        loop = self.loop_cls(self.engine, self.tok, self.tools, settings, retriever=None if evaluation else self.retriever)
+        t0 = time.perf_counter()
+        trajs, stats = loop.run_groups([t for _, t in groups], group_size, n_hybrid, group_ids=[g for g, _ in groups])
+        return {"rows": [t.to_row() for t in trajs], "worker_id": self.worker_id, "wall_s": time.perf_counter() - t0,
+                "generate_s": stats.generate_s, "tool_s": stats.tool_s, "retrieve_s": stats.retrieve_s}
+
+    # ------------------------------------------------------------ weights
+
+    def load_state_dict(self, state_dict: dict, version: int) -> int:
+        self.engine.load_weights(state_dict, version)
+        return version
+
+    def join_collective(self, world: int, rank: int, name: str) -> bool:
+        import ray.util.collective as col
+
+        if self._collective:
+            col.destroy_collective_group(self._collective)
+        col.init_collective_group(world, rank, backend="gloo", group_name=name)
+        self._collective = name
+        return True
+
+    def receive_broadcast(self, spec: list[tuple[str, list[int], str]], bucket_numels: list[int], version: int, name: str) -> int:
+        """Receive bucketed flat tensors from rank 0 of collective ``name`` and load them into the engine."""
+        from rapo_ray.sync import receive_buckets
+
+        sd = receive_buckets(spec, bucket_numels, name)
+        self.engine.load_weights(sd, version)
+        return version
+
+    def weights_checksum(self) -> float:
+        """Sum of the engine's parameters (torch engine only), used by tests to compare with the learner."""
+        model = getattr(self.engine, "model", None)
+        if model is None:
+            raise RuntimeError("weights_checksum needs the torch engine")
+        return float(sum(p.double().sum() for p in model.state_dict().values()))
+
+    def state_dict(self) -> dict:
+        model = getattr(self.engine, "model", None)
+        if model is None:
+            raise RuntimeError("state_dict needs the torch engine")
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    def close(self) -> bool:
+        self.tools.close()
+        self.engine.close()
+        return True
+
+
+@dataclass
+class FleetEvent:
+    time: float
+    kind: str  # "start" | "scale_up" | "scale_down" | "replaced" | "requeued"
+    detail: str
+
+
+class RolloutFleet:
+    """Owns the rollout workers; ``run_step`` distributes a step's groups and collects every one exactly once."""
+
+    def __init__(self, model_dir: str, cfg, retrieval_app: str | None, weights_source=None):
+        self.cfg, self.model_dir, self.retrieval_app = cfg, str(model_dir), retrieval_app
+        from rapo_ray.config import to_dict
+
+        self.cfg_dict = to_dict(cfg)
+        rc = cfg.resources
+        self.actor_cls = ray.remote(num_cpus=rc.cpus_per_rollout_worker, num_gpus=rc.gpus_per_rollout_worker,
+                                    resources=dict(rc.custom_resources) or None, max_restarts=0, max_concurrency=1)(RolloutWorker)
+        self.workers: dict[int, ray.actor.ActorHandle] = {}
+        self._next_id = 0
+        self.events: list[FleetEvent] = []
+        self.start_timeout_s = 600.0
+        self.weights_source = weights_source  # callable () -> (state_dict or None, version) for new workers
+        self.scale(cfg.rollout.num_workers)
+
+    # ------------------------------------------------------------ membership
+
+    def _start(self, n: int) -> list[int]:
+        ids = []
+        for _ in range(n):
+            wid = self._next_id
+            self._next_id += 1
+            self.workers[wid] = self.actor_cls.remote(wid, self.model_dir, self.cfg_dict, self.retrieval_app)
+            ids.append(wid)
+        try:
+            ray.get([self.workers[w].ready.remote() for w in ids], timeout=self.start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"{len(ids)} rollout worker(s) did not start within {self.start_timeout_s:.0f} s: the cluster cannot "
+                               f"place actors needing {self.cfg.resources.cpus_per_rollout_worker:g} CPU / "
+                               f"{self.cfg.resources.gpus_per_rollout_worker:g} GPU each") from None
+        if self.weights_source is not None:  # a new worker gets the current weights before it takes work
+            sd, version = self.weights_source()
+            if sd is not None:
+                ref = ray.put(sd)
+                ray.get([self.workers[w].load_state_dict.remote(ref, version) for w in ids])
+        return ids
+
+    def scale(self, n: int) -> None:
+        n = max(self.cfg.rollout.min_workers, min(self.cfg.rollout.max_workers, n))
+        cur = len(self.workers)
+        if n > cur:
+            ids = self._start(n - cur)
+            self.events.append(FleetEvent(time.time(), "scale_up" if cur else "start", f"+{len(ids)} -> {n}"))
+        elif n < cur:
+            for wid in sorted(self.workers)[n - cur:]:
+                w = self.workers.pop(wid)
+                try:
+                    ray.get(w.close.remote(), timeout=30)
+                except Exception:
+                    pass
+                ray.kill(w)
+            self.events.append(FleetEvent(time.time(), "scale_down", f"-{cur - n} -> {n}"))
+
+    def autoscale(self, backlog_groups: int, groups_per_worker: int = 2) -> int:
+        """Backlog policy: one worker per ``groups_per_worker`` queued groups, within [min, max]."""
+        want = math.ceil(backlog_groups / max(groups_per_worker, 1)) if backlog_groups else self.cfg.rollout.min_workers
+        self.scale(want)
+        return len(self.workers)
+
+    # ------------------------------------------------------------ work
+
+    def run_step(self, groups: list[tuple], group_size: int, n_hybrid: int, seed: int, evaluation: bool = False,
+                 on_dispatch=None) -> tuple[list[dict], dict]:
+        """Roll out every group once. A dead worker's unfinished groups go back to the queue and the worker
+        is replaced. Returns rows ordered by (group, slot) and per-step stats."""
+        queue = list(groups)
+        done: dict[str, list[dict]] = {}
+        inflight: dict[ray.ObjectRef, tuple[int, list[tuple]]] = {}
+        stats = {"generate_s": 0.0, "tool_s": 0.0, "retrieve_s": 0.0, "requeued_groups": 0, "replaced_workers": 0}
+        chunk = max(1, math.ceil(len(groups) / max(len(self.workers), 1)))
+        while queue or inflight:
+            busy = {wid for wid, _ in inflight.values()}
+            for wid in [w for w in self.workers if w not in busy]:
+                if not queue:
+                    break
+                take, queue = queue[:chunk], queue[chunk:]
+                gseed = (seed * 1_000_003 + sum(zlib.crc32(str(g).encode()) for g, _ in take)) % (2**31)
+                ref = self.workers[wid].rollout.remote(take, group_size, n_hybrid, gseed, evaluation)
+                inflight[ref] = (wid, take)
+                if on_dispatch:
+                    on_dispatch(wid, take)
+            ready, _ = ray.wait(list(inflight), num_returns=1)
+            ref = ready[0]
+            wid, take = inflight.pop(ref)
+            try:
+                res = ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError, ray.exceptions.WorkerCrashedError) as exc:
+                queue = list(take) + queue
+                stats["requeued_groups"] += len(take)
+                self.workers.pop(wid, None)
+                self.events.append(FleetEvent(time.time(), "requeued", f"worker {wid} died ({type(exc).__name__}); {len(take)} groups re-queued"))
+                self._start(1)
+                stats["replaced_workers"] += 1
+                self.events.append(FleetEvent(time.time(), "replaced", f"worker {wid} replaced"))
+                continue
+            by_group: dict[str, list[dict]] = {}
+            for row in res["rows"]:
+                by_group.setdefault(row["group_id"], []).append(row)
+            for gid, rows in by_group.items():
+                done.setdefault(gid, rows)  # first result wins; a duplicate can never be added twice
+            for k in ("generate_s", "tool_s", "retrieve_s"):
+                stats[k] += res[k]
+        missing = [g for g, _ in groups if g not in done]
+        if missing:
+            raise RuntimeError(f"rollout lost groups {missing[:5]}")
+        rows = [r for g, _ in groups for r in sorted(done[g], key=lambda r: r["slot"])]
+        return rows, stats
+
+    def broadcast_object_store(self, state_dict: dict, version: int) -> None:
+        ref = ray.put(state_dict)
+        ray.get([w.load_state_dict.remote(ref, version) for w in self.workers.values()])
+
+    def handles(self) -> list:
+        return [self.workers[w] for w in sorted(self.workers)]
+
+    def shutdown(self):
+        for w in self.workers.values():
+            try:
+                ray.get(w.close.remote(), timeout=30)
+            except Exception:
+                pass
+            ray.kill(w)
+        self.workers.clear()

@@ -1,0 +1,113 @@
+"""Weight sync: learner -> every rollout engine through ``ray.util.collective``, bucketed, versioned.
+
+The learner ranks own torch.distributed's default process group (FSDP). ``ray.util.collective``'s gloo
+backend also builds on torch.distributed, and creating its group inside a learner that already owns an
+FSDP default group fails (measured: "collective group not initialized"). So rank 0 hands the gathered
+full state dict to a ``WeightHub`` actor (one object-store hop), and the hub is rank 0 of the collective
+group whose other members are the rollout workers. The group is rebuilt whenever the fleet's membership
+changes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import ray
+import torch
+
+
+def make_buckets(state_dict: dict, bucket_mb: float) -> tuple[list[tuple[str, list[int], str]], list[torch.Tensor]]:
+    """Flatten tensors into float32 buckets of at most ``bucket_mb`` MiB (a tensor never spans two)."""
+    limit = max(1, int(bucket_mb * (1 << 20) / 4))
+    spec, buckets, cur, size = [], [], [], 0
+    for name, t in state_dict.items():
+        spec.append((name, list(t.shape), str(t.dtype).replace("torch.", "")))
+        flat = t.detach().reshape(-1).to(torch.float32)
+        if cur and size + flat.numel() > limit:
+            buckets.append(torch.cat(cur))
+            cur, size = [], 0
+        cur.append(flat)
+        size += flat.numel()
+    if cur:
+        buckets.append(torch.cat(cur))
+    return spec, buckets
+
+
+def receive_buckets(spec, bucket_numels: list[int], group_name: str) -> dict:
+    import ray.util.collective as col
+
+    buckets = []
+    for n in bucket_numels:
+        buf = torch.empty(n, dtype=torch.float32)
+        col.broadcast(buf, src_rank=0, group_name=group_name)
+        buckets.append(buf)
+    flat = torch.cat(buckets) if len(buckets) > 1 else buckets[0]
+    out, off = {}, 0
+    for name, shape, dtype in spec:
+        n = math.prod(shape) if shape else 1
+        out[name] = flat[off:off + n].view(shape).to(getattr(torch, dtype))
+        off += n
+    return out
+
+
+@ray.remote(num_cpus=0)
+class WeightHub:
+    """Rank 0 of the weight-sync collective group."""
+
+    def __init__(self):
+        torch.set_num_threads(1)
+        self.group: str | None = None
+        self.spec, self.buckets = None, None
+
+    def join(self, world: int, name: str) -> bool:
+        import ray.util.collective as col
+
+        if self.group:
+            col.destroy_collective_group(self.group)
+        col.init_collective_group(world, 0, backend="gloo", group_name=name)
+        self.group = name
+        return True
+
+    def stage(self, state_dict: dict, bucket_mb: float) -> tuple[list, list[int]]:
+        self.spec, self.buckets = make_buckets(state_dict, bucket_mb)
+        return self.spec, [b.numel() for b in self.buckets]
+
+    def broadcast(self) -> float:
+        import ray.util.collective as col
+
+        t0 = time.perf_counter()
+        for b in self.buckets:
+            col.broadcast(b, src_rank=0, group_name=self.group)
+        return time.perf_counter() - t0
+
+
+class WeightSync:
+    """Driver-side helper: (re)builds the group for the current fleet and pushes a versioned state dict."""
+
+    def __init__(self, bucket_mb: float = 32.0):
+        self.hub = WeightHub.remote()
+        self.bucket_mb = bucket_mb
+        self.members: tuple = ()
+        self.generation = 0
+        self.last_ms = 0.0
+
+    def _ensure_group(self, workers: list) -> str:
+        key = tuple(w._actor_id.hex() for w in workers)
+        name = f"rapo_weights_{self.generation}"
+        if key != self.members:
+            self.generation += 1
+            name = f"rapo_weights_{self.generation}"
+            world = len(workers) + 1
+            ray.get([self.hub.join.remote(world, name)] + [w.join_collective.remote(world, i + 1, name) for i, w in enumerate(workers)])
+            self.members = key
+        return name
+
+    def push(self, state_dict: dict, version: int, workers: list) -> float:
+        t0 = time.perf_counter()
+        name = self._ensure_group(workers)
+        spec, numels = ray.get(self.hub.stage.remote(state_dict, self.bucket_mb))
+        recv = [w.receive_broadcast.remote(spec, numels, version, name) for w in workers]
+        ray.get([self.hub.broadcast.remote()] + recv)
+        self.last_ms = (time.perf_counter() - t0) * 1000
+        return self.last_ms

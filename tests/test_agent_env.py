@@ -1,0 +1,366 @@
+"""The agent environment: tasks, expert, tools, rewards, loaders and the multi-turn loop."""
+
+import json
+import random
+import threading
+from pathlib import Path
+
+import pytest
+
+from rapo_ray.agent import protocol
+from rapo_ray.agent.loop import AgentLoop, LoopSettings, Task
+from rapo_ray.agent.retriever import InMemoryStepRetriever, StoredStep
+from rapo_ray.algos.entropy import GENERATED, RETRIEVED, TOOL_RESULT
+from rapo_ray.engines.base import GenerationResult, InferenceEngine
+from rapo_ray.envs import tasks as bundled
+from rapo_ray.envs.expert import ScriptedExpertEngine
+from rapo_ray.envs.loaders import DataError, gsm8k_to_trajectory_text, load_examples
+from rapo_ray.envs.rewards import format_ok, math_equal, score, token_f1
+from rapo_ray.envs.suite import build_tools, task_splits
+from rapo_ray.envs.tools import LexicalIndex, PythonSandbox, SandboxLimits
+from rapo_ray.sft import steps_of
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data not present")
+
+
+@pytest.fixture(scope="module")
+def tools(tiny_cfg):
+    ts = build_tools(tiny_cfg.tasks, tiny_cfg.rollout)
+    yield ts
+    ts.close()
+
+
+def settings(**kw):
+    s = LoopSettings(temperature=0.0, max_response_tokens=400, max_step_tokens=64, max_tool_calls=3, seed=0,
+                     system_prompt=protocol.SHORT_SYSTEM_PROMPT)
+    for k, v in kw.items():
+        setattr(s, k, v)
+    return s
+
+
+# ---------------------------------------------------------------- tasks + expert
+
+
+def test_splits_disjoint_and_seeded():
+    for fam in bundled.TASK_FAMILIES:
+        tr = bundled.generate(fam, "train", 400, 3)
+        te = bundled.generate(fam, "test", 100, 3)
+        assert not {p.question for p in tr} & {p.question for p in te}
+        assert [p.question for p in bundled.generate(fam, "test", 100, 3)] == [p.question for p in te]
+    with pytest.raises(ValueError, match="valid: \\['arith', 'multihop'\\]"):
+        bundled.generate("chess", "train", 1, 0)
+
+
+def test_expert_solves_every_family_through_real_tools(tiny_cfg, tiny_tokenizer, tools):
+    _, test = task_splits(tiny_cfg.tasks)
+    loop = AgentLoop(ScriptedExpertEngine(tiny_tokenizer), tiny_tokenizer, tools, settings())
+    for fam, tasks in test.items():
+        trajs, _ = loop.run_groups(tasks[:50], 1)
+        acc = sum(t.correct for t in trajs) / len(trajs)
+        assert acc >= 0.99, fam
+        assert all(t.format_ok and t.reward == 1.0 for t in trajs)
+        assert all(t.tool_calls >= 2 for t in trajs)  # multi-step: every problem needs 2-3 tool calls
+
+
+def test_expert_with_errors_varies_rewards(tiny_cfg, tiny_tokenizer, tools):
+    _, test = task_splits(tiny_cfg.tasks)
+    loop = AgentLoop(ScriptedExpertEngine(tiny_tokenizer, error_rate=0.3, seed=1), tiny_tokenizer, tools, settings())
+    trajs, _ = loop.run_groups(test["multihop"][:20], 4)
+    acc = sum(t.correct for t in trajs) / len(trajs)
+    assert 0.05 < acc < 0.95
+
+
+# ---------------------------------------------------------------- tools
+
+
+def test_lexical_search_ranks_exact_fact_first(tiny_cfg):
+    world = bundled.make_world(tiny_cfg.tasks.seed)
+    idx = LexicalIndex(world.documents())
+    (rel, ent), obj = next(iter(sorted(world.facts.items())))
+    hits = idx.search(f"{rel} of {ent}", 3)
+    assert len(hits) == 3 and hits[0][0] == f"The {rel} of {ent} is {obj}."
+
+
+HOSTILE = {
+    "infinite loop": "while True: pass",
+    "fork bomb": "import os\nwhile True: os.fork()",
+    "10 GB allocation": "x = bytearray(10 * 1024**3)",
+    "socket": "import socket\ns = socket.create_connection(('127.0.0.1', 9))",
+    "write outside": "open('/tmp/rapo_sandbox_escape.txt', 'w').write('x')",
+    "100 MB output": "import sys\nfor _ in range(100): sys.stdout.write('x' * (1 << 20))",
+    "subprocess": "import subprocess; subprocess.run(['touch', '/tmp/rapo_sandbox_escape2'])",
+}
+
+
+def test_sandbox_contains_hostile_programs():
+    sb = PythonSandbox(SandboxLimits(timeout_s=2.0, cpu_s=2, output_chars=200), max_concurrency=4)
+    try:
+        futures = {name: sb.submit(code) for name, code in HOSTILE.items()}
+        benign = [sb.submit(f"print({i} * 7)") for i in range(6)]
+        for name, fut in futures.items():
+            res = fut.result(timeout=30)
+            assert not res.ok and res.text.startswith("Error"), (name, res.text)
+            assert res.elapsed_s < 5.0, name
+            assert len(res.text) <= 200 + len("...(truncated)") + 40
+        assert [f.result().text for f in benign] == [str(i * 7) for i in range(6)]
+        assert not Path("/tmp/rapo_sandbox_escape.txt").exists() and not Path("/tmp/rapo_sandbox_escape2").exists()
+        assert sb.run("print('still alive')").text == "still alive"
+    finally:
+        sb.close()
+
+
+def test_sandbox_private_dir_and_errors():
+    sb = PythonSandbox(max_concurrency=1)
+    assert sb.run("open('a.txt','w').write('hi')\nprint(open('a.txt').read())").text == "hi"
+    assert sb.run("   ").text == "Error: empty code"
+    assert "ZeroDivisionError" in sb.run("1/0").text
+    assert "SyntaxError" in sb.run("def (").text
+    sb.close()
+
+
+@needs_shared
+def test_python_tool_reproduces_gsm8k_annotations():
+    sb = PythonSandbox(max_concurrency=2)
+    rows = [json.loads(x) for x in open(SHARED / "gsm8k_openai" / "train.jsonl")][:40]
+    total = ok = 0
+    for r in rows:
+        _, matches = gsm8k_to_trajectory_text(r["answer"], r["answer"].rsplit("####", 1)[1].strip(), sb.run)
+        total, ok = total + len(matches), ok + sum(matches)
+    sb.close()
+    assert total > 80 and ok / total >= 0.99
+
+
+# ---------------------------------------------------------------- rewards
+
+
+def test_rewards_hand_cases():
+    good = "<think>x</think><answer>\\boxed{Paris}</answer>"
+    assert score(good, ["paris"]).reward == 1.0
+    assert score("<think>x</think><answer>\\boxed{London}</answer>", ["paris"]).reward == 0.0
+    assert score("<answer>\\boxed{Paris}", ["paris"]).reward == -1.0  # unclosed answer
+    assert score("<think><python>x</python></think><answer>\\boxed{Paris}</answer>", ["paris"]).reward == -1.0  # nested
+    assert score("<think>x</think><answer>Paris</answer>", ["paris"]).reward == -1.0  # no boxed
+    assert token_f1("the Eiffel tower", ["Eiffel Tower Paris"]) == pytest.approx(0.8)
+    assert math_equal("\\frac{1}{2}", "0.5") and math_equal("1,234", "1234") and math_equal("\\boxed{12}", "12.0")
+    assert math_equal("\\text{18 dollars}", "18") is False and math_equal("$18", "18")
+    ok, why = format_ok("<retrieve>x</retrieve><answer>\\boxed{1}</answer>")
+    assert not ok and "retrieve" in why
+
+
+@needs_shared
+@pytest.mark.parametrize("name", ["gsm8k", "hotpotqa", "bamboogle"])
+def test_gold_answers_score_one(name):
+    examples, _ = load_examples(SHARED / "eval" / name / "test.jsonl")
+    for e in examples:
+        assert score(f"<think>t</think><answer>\\boxed{{{e.answers[0]}}}</answer>", e.answers, e.kind).reward == 1.0, e
+        assert score("<think>t</think><answer>\\boxed{zq 98765 xw}</answer>", e.answers, e.kind).reward == 0.0, e
+
+
+# ---------------------------------------------------------------- loaders
+
+
+@needs_shared
+def test_loaders_normalise_every_shared_file():
+    for path in sorted((SHARED / "eval").glob("*/test.jsonl")):
+        ex, rep = load_examples(path)
+        assert ex and rep.skipped == 0 and all(e.question and e.answers for e in ex), path
+    ex, rep = load_examples(SHARED / "toolstar" / "valid.parquet")
+    assert len(ex) == 180 and {e.kind for e in ex} <= {"math", "qa"}
+
+
+def test_loader_errors_name_file_row_field(tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"question": "q1", "answer": "a"}\n{"problem": "q2"}\n{not json\n{"Question": "q4", "answer": ["x", "y"]}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl: row 1: no answer field"):
+        load_examples(f)
+    ex, rep = load_examples(f, skip_bad_rows=True)
+    assert [e.question for e in ex] == ["q1", "q4"] and rep.skipped == 2
+    assert any("invalid JSON" in e for e in rep.errors)
+    with pytest.raises(DataError, match="does not exist"):
+        load_examples(tmp_path / "missing.jsonl")
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match="unsupported file type"):
+        load_examples(tmp_path / "x.csv")
+
+
+# ---------------------------------------------------------------- the loop
+
+
+class ScriptEngine(InferenceEngine):
+    """Emits pre-written steps (text) in order, recording every id it produced (one trajectory per engine)."""
+
+    name = "script"
+
+    def __init__(self, tok, steps_by_prompt):
+        super().__init__()
+        self.tok, self.steps, self.produced = tok, steps_by_prompt, []
+        self.calls = {}
+
+    def load_weights(self, sd, v):
+        self.version = v
+
+    def generate(self, prompts, params):
+        out = []
+        for p, sp in zip(prompts, self._per_prompt(params, len(prompts))):
+            n = self.calls.get("n", 0)
+            self.calls["n"] = n + 1
+            text = self.steps[n] if n < len(self.steps) else protocol.EOS
+            ids = self.tok(text, add_special_tokens=False)["input_ids"][: sp.max_new_tokens]
+            self.produced.append(ids)
+            out.append(GenerationResult(ids, [-0.5] * len(ids), [1.0] * len(ids), "stop", None))
+        return out
+
+
+@pytest.mark.parametrize("step, expected", [
+    ("<think>a</think><python></python>", "Error: empty code"),
+    ("<think>a</think>print(1)</python>", "Error: </python> without <python>"),
+    ("<think>a</think><search>x print(1)</python>", "Error: </python> closes <search> (mismatched tags)"),
+    ("<think>a</think><search>a<python>b</search>", "Error: nested tag <python> inside <search>"),
+])
+def test_malformed_calls_become_error_results(tiny_tokenizer, tools, step, expected):
+    eng = ScriptEngine(tiny_tokenizer, [step, "<think>b</think><answer>\\boxed{1}</answer>"])
+    loop = AgentLoop(eng, tiny_tokenizer, tools, settings())
+    (t,), _ = loop.run_groups([Task("q", "Who?", ("1",))], 1)
+    results = [tiny_tokenizer.decode(ids, skip_special_tokens=False) for ids in t.segment_ids(TOOL_RESULT)]
+    assert results == [f"<result>{expected}</result>"]
+    assert t.finish_reason == "answer" and t.tool_errors == 1
+
+
+def test_unclosed_tag_and_unknown_tag_end_cleanly(tiny_tokenizer, tools):
+    for step in ["<think>a</think><python>print(1)", "<think>a</think><calc>1+1</calc>"]:
+        eng = ScriptEngine(tiny_tokenizer, [step])
+        loop = AgentLoop(eng, tiny_tokenizer, tools, settings())
+        (t,), _ = loop.run_groups([Task("q", "Who?", ("1",))], 1)
+        assert t.finished and t.reward == -1.0 and t.tool_calls == 0
+
+
+def test_tool_call_limit_and_budget(tiny_tokenizer, tools):
+    steps = ["<think>a</think><python>print(1)</python>"] * 10
+    loop = AgentLoop(ScriptEngine(tiny_tokenizer, steps), tiny_tokenizer, tools, settings(max_tool_calls=2))
+    (t,), _ = loop.run_groups([Task("q", "Who?", ("1",))], 1)
+    assert t.tool_calls == 2 and t.finish_reason == "tool_limit"
+    loop = AgentLoop(ScriptEngine(tiny_tokenizer, steps), tiny_tokenizer, tools, settings(max_tool_calls=9, max_response_tokens=40))
+    (t,), _ = loop.run_groups([Task("q", "Who?", ("1",))], 1)
+    assert len(t.response_ids) <= 40 and t.finish_reason == "length"
+
+
+def test_token_in_token_out(tiny_tokenizer, tools):
+    steps = ["<think>a</think><python>print(6*7)</python>", "<think>b</think><answer>\\boxed{42}</answer>"]
+    eng = ScriptEngine(tiny_tokenizer, steps)
+    loop = AgentLoop(eng, tiny_tokenizer, tools, settings())
+    (t,), _ = loop.run_groups([Task("q", "What is 6*7?", ("42",), "math")], 1)
+    assert t.segment_ids(GENERATED) == eng.produced  # exactly what the engine produced
+    res = tiny_tokenizer("<result>42</result>", add_special_tokens=False)["input_ids"]
+    assert t.segment_ids(TOOL_RESULT) == [res]
+    assert t.response_ids == eng.produced[0] + res + eng.produced[1]
+    assert t.loss_mask == [1] * len(eng.produced[0]) + [0] * len(res) + [1] * len(eng.produced[1])
+    assert t.correct and t.reward == 1.0 and t.logprobs[len(eng.produced[0])] == 0.0
+
+
+def _store(tok, n=5):
+    return [StoredStep(key=f"question {i} history", value=f"<think>hint {i}</think><search>h{i}</search><result>r{i}</result>",
+                       value_ids=tok(f"<think>hint {i}</think><search>h{i}</search><result>r{i}</result>", add_special_tokens=False)["input_ids"],
+                       question_id=f"src{i}") for i in range(n)]
+
+
+def test_hybrid_rollout_invariants(tiny_cfg, tiny_tokenizer, tools):
+    _, test = task_splits(tiny_cfg.tasks)
+    retriever = InMemoryStepRetriever(_store(tiny_tokenizer))
+    loop = AgentLoop(ScriptedExpertEngine(tiny_tokenizer), tiny_tokenizer, tools, settings(retrieve_prob=1.0), retriever=retriever)
+    trajs, _ = loop.run_groups(test["multihop"][:3], group_size=4, n_hybrid=2)
+    for t in trajs:
+        kinds = [k for k, _, _ in t.segments]
+        if t.slot < 2:
+            assert t.slot_kind == "on_policy" and RETRIEVED not in kinds
+            continue
+        assert t.slot_kind == "hybrid" and t.num_retrievals >= 1 and t.correct
+        assert kinds[0] == GENERATED  # never at step 0
+        for a, b in zip(kinds, kinds[1:]):
+            if a == RETRIEVED:
+                assert b == GENERATED  # always a policy step after a retrieval
+        for r in t.retrievals:
+            assert r.step_after == r.step_before + 1
+        for k, s, e in t.segments:
+            assert all(m == (1 if k == GENERATED else 0) for m in t.loss_mask[s:e])
+        assert 0 < t.retrieved_fraction < 1
+
+
+def test_retrieved_text_earns_no_reward(tiny_tokenizer, tools):
+    answer_leak = StoredStep("k", "<think>the answer</think><answer>\\boxed{42}</answer>",
+                             tiny_tokenizer("<think>the answer</think><answer>\\boxed{42}</answer>", add_special_tokens=False)["input_ids"])
+    steps = ["<think>a</think><python>print(1)</python>", "<think>b</think>" + protocol.EOS]
+    loop = AgentLoop(ScriptEngine(tiny_tokenizer, steps), tiny_tokenizer, tools, settings(retrieve_prob=1.0), retriever=InMemoryStepRetriever([answer_leak]))
+    (t,), _ = loop.run_groups([Task("q", "Q?", ("42",), "math")], 1, n_hybrid=1)
+    assert t.num_retrievals == 1 and t.reward == -1.0 and not t.correct
+
+
+def test_empty_buffer_falls_back_and_counts(tiny_cfg, tiny_tokenizer, tools):
+    _, test = task_splits(tiny_cfg.tasks)
+    loop = AgentLoop(ScriptedExpertEngine(tiny_tokenizer), tiny_tokenizer, tools, settings(retrieve_prob=1.0), retriever=InMemoryStepRetriever([]))
+    trajs, _ = loop.run_groups(test["arith"][:2], group_size=2, n_hybrid=2)
+    assert all(t.num_retrievals == 0 and t.retrieval_fallbacks >= 1 and t.correct for t in trajs)
+
+
+class RandomEngine(InferenceEngine):
+    name = "random"
+
+    def __init__(self, vocab, seed):
+        super().__init__()
+        self.vocab, self.rng = vocab, random.Random(seed)
+
+    def load_weights(self, sd, v):
+        pass
+
+    def generate(self, prompts, params):
+        out = []
+        for sp in self._per_prompt(params, len(prompts)):
+            ids = []
+            for _ in range(self.rng.randint(0, sp.max_new_tokens)):
+                ids.append(self.rng.randrange(self.vocab))
+                if ids[-1] in sp.stop_token_ids:
+                    break
+            out.append(GenerationResult(ids, [0.0] * len(ids), [0.0] * len(ids), "stop", None))
+        return out
+
+
+def test_fuzz_random_token_streams_never_crash(tiny_tokenizer, tools):
+    tags = [tiny_tokenizer.convert_tokens_to_ids(t) for t in protocol.ALL_TAGS]
+    retriever = InMemoryStepRetriever(_store(tiny_tokenizer))
+    for seed in range(6):
+        eng = RandomEngine(len(tiny_tokenizer), seed)
+        eng.rng.choices = None
+        loop = AgentLoop(eng, tiny_tokenizer, tools, settings(retrieve_prob=0.5, max_response_tokens=120, max_step_tokens=30), retriever=retriever)
+        tasks = [Task(f"q{i}", "What?", ("1",)) for i in range(4)]
+        trajs, _ = loop.run_groups(tasks, group_size=2, n_hybrid=1)
+        for t in trajs:
+            assert t.finished and len(t.response_ids) <= 120
+            assert len(t.response_ids) == len(t.loss_mask) == len(t.logprobs) == len(t.token_entropies)
+            pos = 0
+            for _, s, e in t.segments:
+                assert s == pos and e >= s
+                pos = e
+            assert pos == len(t.response_ids)
+    assert tags  # the vocabulary contains the tags the fuzz can hit
+
+
+def test_steps_of_excludes_answer_steps(tiny_cfg, tiny_tokenizer, tools):
+    _, test = task_splits(tiny_cfg.tasks)
+    loop = AgentLoop(ScriptedExpertEngine(tiny_tokenizer), tiny_tokenizer, tools, settings())
+    (t,), _ = loop.run_groups(test["multihop"][:1], 1)
+    steps = steps_of(tiny_tokenizer, t)
+    assert len(steps) == t.tool_calls
+    assert all("<answer>" not in s.value and s.value.endswith("</result>") for s in steps)
+    assert steps[0].key == t.question and steps[1].key.startswith(t.question + "<think>")
+
+
+def test_arpo_branching_fills_group(tiny_cfg, tiny_tokenizer, tools):
+    _, test = task_splits(tiny_cfg.tasks)
+    s = settings(arpo_initial=2, arpo_beam_size=2, arpo_tau=1.0, arpo_beta=0.0)  # always branch
+    loop = AgentLoop(ScriptedExpertEngine(tiny_tokenizer), tiny_tokenizer, tools, s)
+    trajs, _ = loop.run_groups(test["multihop"][:2], group_size=5)
+    for gid in {t.group_id for t in trajs}:
+        group = [t for t in trajs if t.group_id == gid]
+        assert len(group) == 5 and len({t.slot for t in group}) == 5
+        branches = [t for t in group if t.slot_kind == "branch"]
+        assert branches and all(t.response_ids[: t.branch_point] == group[t.parent].response_ids[: t.branch_point] for t in branches)
