@@ -51,7 +51,7 @@ class TokenizerConfig:
 @dataclass
 class TasksConfig:
     families: list = _f(["arith", "multihop"], "Bundled task families to train and evaluate on.")
-    train_size: int = _f(2000, "Generated training problems per family.")
+    train_size: int = _f(3000, "Generated training problems per family (warm-start questions first, then the RL questions).")
     test_size: int = _f(200, "Generated held-out problems per family (disjoint from training).")
     seed: int = _f(1234, "Seed of the task generators.")
     data_files: list = _f([], "Real data files to add (toolstar parquet, eval jsonl); see rapo_ray.envs.loaders.")
@@ -96,8 +96,8 @@ class RetrievalConfig:
     target_ongoing_requests: int = _f(32, "Serve autoscaling target per replica.")
     noise_prob: float = _f(0.0, "Replace a retrieved step by a random stored one with this probability (noisy-retrieval study).")
     same_question: bool = _f(True, "Allow hits from the same question's trajectories (the paper's default).")
-    buffer_samples_per_question: int = _f(16, "N: off-policy trajectories sampled per question when building the buffer.")
-    buffer_keep_top_k: int = _f(5, "K: trajectories kept per question by reward.")
+    buffer_samples_per_question: int = _f(4, "N: off-policy trajectories sampled per question when building the buffer (paper: 16; 4 keeps the embedded default's build to about a minute on 2 cores).")
+    buffer_keep_top_k: int = _f(2, "K: trajectories kept per question by reward (paper: 5).")
     buffer_error_rate: float = _f(0.25, "Bundled tasks: per-step error rate of the scripted off-policy expert (so the N samples differ in reward).")
     insert_on_policy: bool = _f(False, "Insert successful on-policy steps into the buffer during training (off in the paper).")
 
@@ -175,11 +175,12 @@ class TrainerConfig:
     eval_every: int = _f(10, "Evaluate held-out accuracy every N steps (0: only before and after).")
     eval_size: int = _f(100, "Held-out problems per family per evaluation.")
     seed: int = _f(0, "Global seed.")
-    sft_examples: int = _f(400, "Warm-start demonstrations per family (deliberately limited).")
-    rl_questions: int = _f(200, "Training questions per family used for RL, taken after the warm-start ones; the step-trace buffer is built from the same questions (the paper's setting).")
-    sft_steps: int = _f(600, "Warm-start optimiser steps.")
-    sft_lr: float = _f(2e-3, "Warm-start peak learning rate (cosine decay, 50 warm-up steps).")
-    sft_batch_size: int = _f(16, "Warm-start sequences per step.")
+    sft_examples: int = _f(1000, "Warm-start demonstrations per family of the easy (2-step) problems.")
+    sft_hard_examples: int = _f(25, "Warm-start demonstrations per family of the hard (3-step) problems: deliberately few, so the warm-started policy rarely solves 3-step problems and RL has room.")
+    rl_questions: int = _f(100, "Training questions per family used for RL, taken after the warm-start ones; the step-trace buffer is built from the same questions (the paper's setting).")
+    sft_steps: int = _f(900, "Warm-start optimiser steps.")
+    sft_lr: float = _f(3e-3, "Warm-start peak learning rate (cosine decay, 50 warm-up steps).")
+    sft_batch_size: int = _f(32, "Warm-start sequences per step.")
     sft_hybrid_fraction: float = _f(0.3, "Share of warm-start demos that contain a loss-masked <retrieve> block from another question.")
 
 
@@ -240,6 +241,9 @@ class Config:
             (0.0 <= self.retrieval.noise_prob <= 1.0, "retrieval.noise_prob must be in [0, 1]"),
             (1 <= self.retrieval.buffer_keep_top_k <= self.retrieval.buffer_samples_per_question, "retrieval.buffer_keep_top_k must be in [1, buffer_samples_per_question]"),
             (self.trainer.total_steps >= 0 and self.trainer.prompts_per_step >= 1, "trainer.total_steps >= 0 and trainer.prompts_per_step >= 1"),
+            (self.tasks.train_size >= 2 * (self.trainer.sft_examples + self.trainer.sft_hard_examples) + self.trainer.rl_questions,
+             f"tasks.train_size ({self.tasks.train_size}) must be >= 2 x (trainer.sft_examples + trainer.sft_hard_examples) + "
+             f"trainer.rl_questions, so RL questions are disjoint from the warm-start ones"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -68,11 +68,9 @@ class RolloutWorker:
         return version
 
     def join_collective(self, world: int, rank: int, name: str) -> bool:
-        import ray.util.collective as col
+        from rapo_ray.sync import join_group
 
-        if self._collective:
-            col.destroy_collective_group(self._collective)
-        col.init_collective_group(world, rank, backend="gloo", group_name=name)
+        join_group(world, rank, name, self._collective)
         self._collective = name
         return True
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import random
 import time
 from pathlib import Path
@@ -83,6 +84,9 @@ def train_sft(model, examples: list[tuple[list[int], list[int]]], steps: int, lr
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
     model.train()
+    # The warm start runs before any actor exists: use every core for it.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
     losses = []
     pad = model.config.pad_token_id or 0
     batches = _batches(examples, min(batch_size, len(examples)), rng)
@@ -110,6 +114,7 @@ def train_sft(model, examples: list[tuple[list[int], list[int]]], steps: int, lr
         if log and (step % 100 == 0 or step == steps - 1):
             log(f"sft step {step:5d}/{steps} loss {loss.item():.4f} ({time.perf_counter() - t0:.0f} s)")
     model.eval()
+    torch.set_num_threads(threads)
     return losses
 
 
@@ -117,9 +122,25 @@ def sft_examples(trajs: list[Trajectory]) -> list[tuple[list[int], list[int]]]:
     return [(t.prompt_ids + t.response_ids, [0] * len(t.prompt_ids) + t.loss_mask) for t in trajs if t.correct]
 
 
+def sft_tasks(cfg, tasks: list) -> list:
+    """The warm-start questions of one family: the first ``sft_examples`` 2-step ones and the first
+    ``sft_hard_examples`` 3-step ones (taken from the start of the training split; RL uses later ones)."""
+    from rapo_ray.envs.suite import task_difficulty
+
+    head = tasks[: sft_span(cfg)]
+    easy = [t for t in head if task_difficulty(t) <= 2][: cfg.trainer.sft_examples]
+    hard = [t for t in head if task_difficulty(t) > 2][: cfg.trainer.sft_hard_examples]
+    return easy + hard
+
+
+def sft_span(cfg) -> int:
+    """How many training questions (from the start) the warm start may draw from."""
+    return 2 * cfg.trainer.sft_examples + 2 * cfg.trainer.sft_hard_examples
+
+
 def warm_start_dir(cfg) -> Path:
     t = cfg.trainer
-    key = json.dumps([str(resolve_model_dir(cfg)), t.sft_examples, t.sft_steps, t.sft_lr, t.sft_batch_size, t.sft_hybrid_fraction,
+    key = json.dumps([str(resolve_model_dir(cfg)), t.sft_examples, t.sft_hard_examples, t.sft_steps, t.sft_lr, t.sft_batch_size, t.sft_hybrid_fraction,
                       sorted(cfg.tasks.families), cfg.tasks.seed, cfg.tasks.system_prompt, t.seed, cfg.rollout.max_response_tokens])
     return Path(cfg.run.artifacts_dir) / f"warm-start-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
 
@@ -135,11 +156,11 @@ def warm_start(cfg, log=print, force: bool = False) -> Path:
     train, _ = task_splits(cfg.tasks)
     tools = build_tools(cfg.tasks, cfg.rollout)
     try:
-        n = cfg.trainer.sft_examples
         demos_tasks, pool_tasks = {}, {}
         for fam, tasks in train.items():
-            demos_tasks[fam] = tasks[:n]
-            pool_tasks[fam] = tasks[n : n + max(50, n // 4)]  # other questions: the retrieve-format pool
+            demos_tasks[fam] = sft_tasks(cfg, tasks)
+            used = {t.id for t in demos_tasks[fam]}
+            pool_tasks[fam] = [t for t in tasks if t.id not in used][-200:]  # other questions: the retrieve-format pool
         pool = [t for ts in pool_tasks.values() for t in ts]
         pool_steps = [s for tr in expert_trajectories(cfg, tok, tools, pool, seed=cfg.trainer.seed) for s in steps_of(tok, tr)]
         retriever = InMemoryStepRetriever(pool_steps, same_question=False)

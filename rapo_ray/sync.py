@@ -34,6 +34,19 @@ def make_buckets(state_dict: dict, bucket_mb: float) -> tuple[list[tuple[str, li
     return spec, buckets
 
 
+def join_group(world: int, rank: int, name: str, previous: str | None) -> None:
+    """(Re)join the weight-sync group. ray.util.collective's gloo backend sits on torch.distributed's
+    default group, whose world size cannot grow, so it is torn down before a new membership is formed."""
+    import ray.util.collective as col
+    import torch.distributed as dist
+
+    if previous:
+        col.destroy_collective_group(previous)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    col.init_collective_group(world, rank, backend="gloo", group_name=name)
+
+
 def receive_buckets(spec, bucket_numels: list[int], group_name: str) -> dict:
     import ray.util.collective as col
 
@@ -61,11 +74,7 @@ class WeightHub:
         self.spec, self.buckets = None, None
 
     def join(self, world: int, name: str) -> bool:
-        import ray.util.collective as col
-
-        if self.group:
-            col.destroy_collective_group(self.group)
-        col.init_collective_group(world, 0, backend="gloo", group_name=name)
+        join_group(world, 0, name, self.group)
         self.group = name
         return True
 

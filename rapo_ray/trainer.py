@@ -32,7 +32,6 @@ def init_ray(cfg: Config) -> bool:
     127.0.0.1. Returns True if this process started Ray."""
     if ray.is_initialized():
         return False
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     address = cfg.resources.ray_address or os.environ.get("RAY_ADDRESS", "")
     env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}}
     if address:
@@ -40,6 +39,10 @@ def init_ray(cfg: Config) -> bool:
         return False
     # A local Ray may oversubscribe logical CPUs: every actor runs one torch thread and the learners and
     # rollout workers take turns within a step, so 2 learners + 2 workers share a 2-core laptop fine.
+    # Local Ray: loopback only, for Ray itself and for every gloo socket (learners, weight sync).
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env["env_vars"].update(GLOO_SOCKET_IFNAME="lo", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     rc = cfg.resources
     need = cfg.learner.world_size * rc.cpus_per_learner + cfg.rollout.max_workers * rc.cpus_per_rollout_worker
     ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), object_store_memory=cfg.resources.object_store_mb << 20, include_dashboard=False,
@@ -96,7 +99,7 @@ def make_run_dir(cfg: Config) -> RunDir:
         if not (root / "config.yaml").is_file():
             raise ConfigError(f"checkpoint.resume={p}: not a run directory or a checkpoint inside one")
         old = _load_saved_config(root / "config.yaml")
-        diff = diff_configs(old, cfg, ignore=("checkpoint.", "trainer.total_steps", "run.progress", "rollout.num_workers",
+        diff = diff_configs(old, cfg, ignore=("checkpoint.", "trainer.total_steps", "run.", "rollout.num_workers",
                                               "rollout.engine", "resources."))
         if diff:
             raise ConfigError(f"cannot resume {root}: config differs in {diff}")
@@ -398,8 +401,10 @@ def rl_task_pool(cfg):
     """RL questions per family (after the warm-start demos) and the held-out test tasks."""
     from rapo_ray.envs.suite import task_splits
 
+    from rapo_ray.sft import sft_span
+
     train, test = task_splits(cfg.tasks)
-    n0 = cfg.trainer.sft_examples
+    n0 = sft_span(cfg)
     pool = {fam: ts[n0:n0 + cfg.trainer.rl_questions] or ts[: cfg.trainer.rl_questions] for fam, ts in train.items()}
     return pool, test
 

@@ -7,6 +7,9 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Loopback only: Ray's node address and every gloo socket (learner group, weight-sync collective).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -27,6 +30,9 @@ def tiny_config(tmp_dir, *overrides):
         "model.max_position_embeddings=512",
         "tokenizer.vocab_size=512",
         "tasks.train_size=300",
+        "trainer.sft_examples=40",
+        "trainer.sft_hard_examples=5",
+        "trainer.rl_questions=20",
         "tasks.test_size=50",
         "rollout.max_response_tokens=192",
     ]
@@ -61,3 +67,21 @@ def tiny_tokenizer(tiny_model_dir):
     from rapo_ray.model import load_tokenizer
 
     return load_tokenizer(tiny_model_dir)
+
+
+LOCAL_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+             "GLOO_SOCKET_IFNAME": "lo", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for the whole suite, loopback only, small object store."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=6, object_store_memory=384 * 1024 * 1024, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 runtime_env={"env_vars": LOCAL_ENV},
+                 log_to_driver=False)
+    yield ray
+    ray.shutdown()

@@ -43,3 +43,11 @@ def build_tools(tasks_cfg, rollout_cfg, search_index=None, max_concurrency: int 
     if search_index is None:
         search_index = LexicalIndex(bundled.make_world(tasks_cfg.seed).documents())
     return ToolSet(PythonSandbox(limits, max_concurrency), SearchTool(search_index, 3, rollout_cfg.tool_output_chars), max_concurrency)
+
+
+def task_difficulty(task: Task) -> int:
+    """Number of tool steps the expert needs (bundled families); 0 when unknown."""
+    from rapo_ray.envs.expert import arith_plan, multihop_plan
+
+    plan = arith_plan(task.question) or multihop_plan(task.question)
+    return len(plan[1]) if plan else 0

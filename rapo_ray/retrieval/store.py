@@ -77,6 +77,7 @@ class MilvusStepStore:
             self._create()
         else:
             raise StoreError(f"collection {collection!r} does not exist at {uri}")
+        self.client.load_collection(collection)  # a reopened collection starts released
 
     def _collection_dim(self) -> int:
         for f in self.client.describe_collection(self.collection)["fields"]:

@@ -1,0 +1,158 @@
+"""The distributed pieces on a local Ray: fleet accounting, scaling, weight sync, the end-to-end job."""
+
+import json
+import time
+
+import pytest
+import ray
+import torch
+
+from rapo_ray.agent.loop import Task
+from rapo_ray.config import ConfigError
+from tests.conftest import tiny_config
+
+
+@pytest.fixture(scope="module")
+def fleet_cfg(tiny_model_dir, tmp_path_factory):
+    return tiny_config(tmp_path_factory.mktemp("fleet"), f"model.path={tiny_model_dir}", "rollout.engine=torch",
+                       "rollout.num_workers=2", "rollout.max_workers=3", "rollout.max_response_tokens=48", "rollout.max_step_tokens=16",
+                       "resources.cpus_per_rollout_worker=0.5")
+
+
+def _groups(n):
+    return [(f"g{i}", Task(f"t{i}", f"Who is the mentor of Ka{i}?", ("x",))) for i in range(n)]
+
+
+def test_killed_worker_loses_no_group(ray_session, fleet_cfg, tiny_model_dir):
+    from rapo_ray.rollout import RolloutFleet
+
+    fleet = RolloutFleet(tiny_model_dir, fleet_cfg, retrieval_app=None)
+    try:
+        killed = []
+
+        def kill_first(wid, take):  # kill the first worker right after it received its chunk
+            if not killed:
+                killed.append(wid)
+                ray.kill(fleet.workers[wid])
+
+        groups = _groups(6)
+        rows, stats = fleet.run_step(groups, group_size=2, n_hybrid=0, seed=1, on_dispatch=kill_first)
+        assert killed and stats["requeued_groups"] >= 1 and stats["replaced_workers"] == 1
+        ids = [(r["group_id"], r["slot"]) for r in rows]
+        assert sorted(ids) == sorted((g, s) for g, _ in groups for s in range(2))  # every group once, each slot once
+        assert len(fleet.workers) == 2
+    finally:
+        fleet.shutdown()
+
+
+def test_scale_up_down_and_weight_sync(ray_session, fleet_cfg, tiny_model_dir):
+    from rapo_ray.model import load_model
+    from rapo_ray.rollout import RolloutFleet
+    from rapo_ray.sync import WeightSync
+
+    new = {k: v + 0.01 for k, v in load_model(tiny_model_dir).state_dict().items()}
+    state = {"sd": None, "v": 0}
+    fleet = RolloutFleet(tiny_model_dir, fleet_cfg, retrieval_app=None, weights_source=lambda: (state["sd"], state["v"]))
+    sync = WeightSync(bucket_mb=0.05)  # several buckets
+    try:
+        ms = sync.push(new, 3, fleet.handles())
+        assert ms > 0
+        for w in fleet.handles():  # rollout weights equal the learner's bitwise
+            got = ray.get(w.state_dict.remote())
+            assert all(torch.equal(got[k], new[k]) for k in new)
+            assert ray.get(w.ready.remote())["version"] == 3
+        state.update(sd=new, v=3)
+        fleet.scale(3)  # a new worker receives the current weights before it takes work
+        assert len(fleet.workers) == 3
+        newest = fleet.handles()[-1]
+        got = ray.get(newest.state_dict.remote())
+        assert all(torch.equal(got[k], new[k]) for k in new) and ray.get(newest.ready.remote())["version"] == 3
+        sync.push({k: v * 2 for k, v in new.items()}, 4, fleet.handles())  # the group is rebuilt for 3 members
+        assert [ray.get(w.ready.remote())["version"] for w in fleet.handles()] == [4, 4, 4]
+        fleet.scale(1)
+        assert len(fleet.workers) == 1
+        rows, _ = fleet.run_step(_groups(2), 2, 0, seed=0)
+        assert len(rows) == 4
+        assert fleet.autoscale(backlog_groups=5, groups_per_worker=2) == 3  # ceil(5/2) capped by max_workers
+        assert fleet.autoscale(backlog_groups=0) == 1
+        assert [e.kind for e in fleet.events][:3] == ["start", "scale_up", "scale_down"]
+    finally:
+        fleet.shutdown()
+
+
+def test_impossible_resources_fail_fast(ray_session, fleet_cfg):
+    from rapo_ray.trainer import check_resources
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(fleet_cfg.run.artifacts_dir, "resources.gpus_per_learner=1")
+    with pytest.raises(ConfigError, match="GPUs"):
+        check_resources(cfg)
+    cfg = tiny_config(fleet_cfg.run.artifacts_dir, "learner.world_size=64")
+    with pytest.raises(ConfigError, match="learner.world_size=64"):
+        check_resources(cfg)
+
+
+@pytest.fixture(scope="module")
+def warm_cfg(tmp_path_factory):
+    """A tiny warm-started policy: after a short warm start its outputs are partly format-valid, so
+    rewards (-1 / 0 / 1) differ inside groups and updates are non-trivial."""
+    art = tmp_path_factory.mktemp("warm")
+    return tiny_config(art, "trainer.sft_steps=150", "trainer.sft_lr=0.005", "trainer.sft_batch_size=16", "rollout.engine=torch",
+                       "rollout.max_response_tokens=160", "rollout.max_step_tokens=48", "algo.group_size=4", "algo.n_hybrid=2",
+                       "trainer.prompts_per_step=2", "trainer.eval_size=8", "learner.mini_batch_size=4", "learner.lr=0.001",
+                       "retrieval.buffer_samples_per_question=2", "retrieval.buffer_keep_top_k=1", "run.progress=false",
+                       "resources.cpus_per_rollout_worker=0.5", "resources.cpus_per_learner=0.5", f"run.output_dir={art / 'runs'}")
+
+
+def _final_weights(summary):
+    from rapo_ray.model import load_model
+
+    return load_model(summary["checkpoint"]).state_dict()
+
+
+def test_end_to_end_rapo_and_resume_is_exact(ray_session, warm_cfg):
+    """The whole topology (warm start, Milvus buffer, Serve retrieval, FSDP learners, fleet, collective
+    sync, checkpoints); then 2 straight GRPO steps equal 1 step + resume + 1 step within 1e-6."""
+    from dataclasses import replace
+
+    from rapo_ray.model import load_model
+    from rapo_ray.sft import warm_start
+    from rapo_ray.trainer import run
+
+    cfg = replace(warm_cfg, trainer=replace(warm_cfg.trainer, total_steps=2), run=replace(warm_cfg.run, name="rapo"),
+                  checkpoint=replace(warm_cfg.checkpoint, every=1))
+    summary = run(cfg, log=lambda *_: None)
+    rd = summary["run_dir"]
+    metrics = [json.loads(x) for x in open(f"{rd}/metrics.jsonl")]
+    steps = [m for m in metrics if "reward" in m]
+    assert len(steps) == 2 and all(m["rollout_tokens"] > 0 for m in steps)
+    assert sum(m["retrievals"] for m in steps) > 0  # hybrid slots retrieved through Serve + Milvus
+    assert (f"{rd}/curves.png") and json.load(open(f"{rd}/summary.json"))["steps"] == 2
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(f"{rd}/trajectories/step-000001.parquet")
+    assert t.num_rows == 2 * 4 and set(t.column("slot_kind").to_pylist()) == {"on_policy", "hybrid"}
+
+    base = replace(cfg, algo=replace(cfg.algo, name="grpo", n_hybrid=0))
+    straight = run(replace(base, run=replace(base.run, name="straight")), log=lambda *_: None)
+    first = run(replace(base, trainer=replace(base.trainer, total_steps=1), run=replace(base.run, name="resumed")), log=lambda *_: None)
+    resumed = run(replace(base, checkpoint=replace(base.checkpoint, resume=first["run_dir"])), log=lambda *_: None)
+    a, b = _final_weights(straight), _final_weights(resumed)
+    init = load_model(warm_start(base)).state_dict()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+    assert max((a[k] - init[k]).abs().max().item() for k in a) > 0  # the steps really changed the weights
+
+
+def test_resume_with_incompatible_config_names_fields(ray_session, warm_cfg, tmp_path):
+    from dataclasses import replace
+
+    from rapo_ray.trainer import make_run_dir
+
+    rd = make_run_dir(replace(warm_cfg, run=replace(warm_cfg.run, output_dir=str(tmp_path), name="r")))
+    bad = replace(warm_cfg, algo=replace(warm_cfg.algo, clip_high=0.2), checkpoint=replace(warm_cfg.checkpoint, resume=str(rd.path)))
+    with pytest.raises(ConfigError, match=r"config differs in \['algo.clip_high'\]"):
+        make_run_dir(bad)
+    with pytest.raises(ConfigError, match="already exists"):  # never overwrite an existing run directory
+        make_run_dir(replace(warm_cfg, run=replace(warm_cfg.run, output_dir=str(tmp_path), name="r")))
+    with pytest.raises(ConfigError, match="not a run directory"):
+        make_run_dir(replace(warm_cfg, checkpoint=replace(warm_cfg.checkpoint, resume=str(tmp_path / "nowhere"))))
