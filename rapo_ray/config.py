@@ -139,7 +139,7 @@ class AlgoConfig:
 class LearnerConfig:
     world_size: int = _f(2, "Learner ranks (one actor each) in one torch.distributed group.")
     fsdp: bool = _f(True, "Shard the model with FSDP2 fully_shard.")
-    lr: float = _f(1e-6, "Learning rate (ARPO: 1e-6).")
+    lr: float = _f(3e-4, "Learning rate. The bundled ~1M-parameter model needs 1e-4..3e-4 (1e-3 collapsed, 1e-6 did not move); the paper recipes use ARPO's 1e-6.")
     lr_schedule: str = _f("constant", "Learning-rate schedule.", ("constant", "cosine", "linear"))
     warmup_steps: int = _f(0, "Linear warm-up steps.")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
@@ -245,6 +245,15 @@ class Config:
              f"tasks.train_size ({self.tasks.train_size}) must be >= 2 x (trainer.sft_examples + trainer.sft_hard_examples) + "
              f"trainer.rl_questions, so RL questions are disjoint from the warm-start ones"),
         ]
+        # Settings whose code path does not exist yet: an error, never a silently ignored knob.
+        not_yet = [
+            (a.retrieval_level == "trajectory", "algo.retrieval_level=trajectory (the 'w/ TO' ablation) is not implemented yet"),
+            (a.arpo_hard_attribution, "algo.arpo_hard_attribution=true is not wired into the trainer yet (rapo_ray.algos has the function)"),
+            (a.stale_policy == "importance", "algo.stale_policy=importance is not implemented yet (training is synchronous: data is never stale)"),
+            (self.retrieval.insert_on_policy, "retrieval.insert_on_policy=true is not implemented yet"),
+            (self.sync.backend == "nccl", "sync.backend=nccl is not implemented yet (the weight hub broadcasts CPU tensors over gloo)"),
+        ]
+        checks += [(not bad, msg) for bad, msg in not_yet]
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 
 import ray
 import torch
@@ -99,14 +100,15 @@ class WeightSync:
         self.bucket_mb = bucket_mb
         self.members: tuple = ()
         self.generation = 0
+        self.prefix = f"rapo_weights_{uuid.uuid4().hex[:8]}"  # unique per run: no stale rendezvous state
         self.last_ms = 0.0
 
     def _ensure_group(self, workers: list) -> str:
         key = tuple(w._actor_id.hex() for w in workers)
-        name = f"rapo_weights_{self.generation}"
+        name = f"{self.prefix}_{self.generation}"
         if key != self.members:
             self.generation += 1
-            name = f"rapo_weights_{self.generation}"
+            name = f"{self.prefix}_{self.generation}"
             world = len(workers) + 1
             ray.get([self.hub.join.remote(world, name)] + [w.join_collective.remote(world, i + 1, name) for i, w in enumerate(workers)])
             self.members = key

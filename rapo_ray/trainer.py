@@ -384,6 +384,7 @@ class Trainer:
 
     def shutdown(self):
         self.fleet.shutdown()
+        ray.kill(self.sync.hub)
         for l in self.learners:
             try:
                 ray.get(l.shutdown.remote(), timeout=30)

@@ -1,0 +1,145 @@
+"""Retrieval against a real milvus-lite (temporary directory) and the Serve app on 127.0.0.1."""
+
+import json
+import socket
+
+import numpy as np
+import pytest
+
+from rapo_ray.agent.retriever import StoredStep
+from rapo_ray.retrieval.store import MilvusLiteServer, MilvusStepStore, StoreError
+
+
+def _unit(n, d, seed):
+    v = np.random.default_rng(seed).standard_normal((n, d)).astype(np.float32)
+    return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+
+def _steps(n):
+    return [StoredStep(f"key {i}", f"<think>v{i}</think>", [i, i + 1], float(i % 3), f"q{i % 7}", i % 4, "test") for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def lite(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("milvus") / "steps.db")
+
+
+def test_round_trip_recall_and_idempotence(lite):
+    store = MilvusStepStore(lite, "rt", dim=16)
+    vec = _unit(400, 16, 0)
+    steps = _steps(400)
+    assert store.upsert(steps, vec) == 400
+    assert store.upsert(steps, vec) == 400  # same content -> same ids: no duplicates
+    assert store.count() == 400
+    queries = _unit(50, 16, 1)
+    hits = store.search(queries, top_k=3)
+    brute = np.argsort(-(queries @ vec.T), axis=1)[:, 0]
+    recall = np.mean([h[0].value == steps[b].value for h, b in zip(hits, brute)])
+    assert recall >= 0.99
+    assert all(len(h) == 3 and h[0].score >= h[1].score >= h[2].score for h in hits)
+    assert hits[0][0].value_ids == steps[brute[0]].value_ids
+    # a query that matches nothing useful still gets k results with scores
+    far = -np.ones((1, 16), dtype=np.float32) / 4.0
+    (row,) = store.search(far, top_k=3)
+    assert len(row) == 3 and all(np.isfinite(h.score) for h in row)
+    excl = store.search(queries[:5], top_k=2, exclude_question=[steps[b].question_id for b in brute[:5]])
+    assert all(h.question_id != steps[b].question_id for row, b in zip(excl, brute[:5]) for h in row)
+    store.close()
+
+
+def test_dimension_mismatch_is_clear(lite):
+    MilvusStepStore(lite, "dims", dim=16).close()
+    with pytest.raises(StoreError, match="has vector dim 16, but the embedder gives 384"):
+        MilvusStepStore(lite, "dims", dim=384)
+
+
+def test_unreachable_milvus_names_uri():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(StoreError, match=f"Milvus at http://127.0.0.1:{port} is unreachable"):
+        MilvusStepStore(f"http://127.0.0.1:{port}", "x", dim=8)
+
+
+def test_embedder_pooling_and_truncation():
+    from rapo_ray.retrieval.embedder import Embedder, preprocess
+
+    emb = Embedder(pooling="last")
+    v = emb.embed(["The mentor of Kaloka is Zoneka.", "mentor of Kaloka", "print(3 + 4)"])
+    assert v.shape == (3, 384) and np.allclose(np.linalg.norm(v, axis=1), 1.0, atol=1e-5)
+    assert preprocess("x" * 5000, 1300) == "x" * 1300
+    assert preprocess("system stuff\nuser\nquestion here") == "question here"
+    mean = Embedder(pooling="mean").embed(["mentor of Kaloka"])
+    assert not np.allclose(mean[0], v[1])
+    with pytest.raises(ValueError, match="pooling"):
+        Embedder(pooling="max")
+
+
+def test_serve_app_handle_and_http(ray_session, tmp_path):
+    import requests
+    from ray import serve
+
+    from rapo_ray.config import load_config
+    from rapo_ray.retrieval.embedder import Embedder
+    from rapo_ray.retrieval.service import HandleStepRetriever, build_app
+
+    server = MilvusLiteServer(tmp_path / "srv")
+    try:
+        cfg = load_config(overrides=["retrieval.collection=svc", "retrieval.batch_wait_ms=5"])
+        emb = Embedder()
+        steps = _steps(30)
+        store = MilvusStepStore(server.uri, "svc", dim=384)
+        store.upsert(steps, emb.embed([s.key for s in steps]))
+        store.close()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(cfg.retrieval, server.uri), name="retrieval_test", route_prefix="/retrieve")
+        handle = serve.get_deployment_handle("StepRetriever", app_name="retrieval_test")
+        out = HandleStepRetriever(handle).retrieve(["key 7", "key 12"])
+        assert [o.value for o in out] == ["<think>v7</think>", "<think>v12</think>"]
+        url = f"http://127.0.0.1:{port}/retrieve"
+        r = requests.post(url, json={"queries": ["key 3"], "top_k": 2}, timeout=30)
+        assert r.status_code == 200 and len(r.json()["results"][0]) == 2
+        assert set(r.json()["results"][0][0]) == {"value", "value_ids", "score", "reward", "meta"}
+        for bad in ({"queries": "key"}, {"queries": [1]}, {"queries": ["a"], "top_k": 0}, [1, 2]):
+            r = requests.post(url, json=bad, timeout=30)
+            assert r.status_code == 400 and "error" in r.json()
+        r = requests.post(url, data=b"{not json", timeout=30)
+        assert r.status_code == 400
+        assert requests.post(url, json={"queries": ["key 1"]}, timeout=30).status_code == 200  # still serving
+        noisy = HandleStepRetriever(handle, noise_prob=1.0, seed=0).retrieve(["key 7"])
+        assert noisy[0].noise
+    finally:
+        serve.shutdown()
+        server.stop()
+
+
+def test_builder_counts_idempotence_and_resume(ray_session, tiny_cfg, tiny_model_dir, tmp_path):
+    from dataclasses import replace
+
+    from rapo_ray.envs.suite import task_splits
+    from rapo_ray.retrieval.buffer import build_buffer
+
+    cfg = replace(tiny_cfg, retrieval=replace(tiny_cfg.retrieval, collection="built", buffer_samples_per_question=2, buffer_keep_top_k=1,
+                                              buffer_error_rate=0.0))
+    train, _ = task_splits(cfg.tasks)
+    tasks = train["multihop"][:6] + train["arith"][:4]
+    uri = str(tmp_path / "b.db")
+    manifest = tmp_path / "manifest.json"
+    rep = build_buffer(cfg, str(tiny_model_dir), uri, tasks[:5], manifest, log=lambda *_: None)
+    # one kept trajectory per question, one step per tool call (answer steps excluded)
+    assert rep.trajectories == 5 and rep.steps >= 10 and rep.tokens > 0
+    rep2 = build_buffer(cfg, str(tiny_model_dir), uri, tasks, manifest, log=lambda *_: None)  # resume: only the new 5
+    assert rep2.skipped_questions == 5 and rep2.trajectories == 5
+    assert set(json.loads(manifest.read_text())) == {t.id for t in tasks}
+    manifest.unlink()
+    store = MilvusStepStore(uri, "built", dim=384)
+    before = store.count()
+    store.close()
+    build_buffer(cfg, str(tiny_model_dir), uri, tasks, manifest, log=lambda *_: None)  # full re-run: no duplicates
+    store = MilvusStepStore(uri, "built", dim=384)
+    assert store.count() == before == rep.steps + rep2.steps
+    store.close()
+    assert "step traces" in rep.table()
