@@ -32,6 +32,7 @@ class LearnerRow:
     advantage: float = 0.0
     shaping: float = 1.0
     old_logprobs: list[float] | None = None  # over the response
+    entropies: list[float] | None = None  # over the response, from forward_old (full vocabulary)
 
 
 def dummy_like(row: LearnerRow) -> LearnerRow:
