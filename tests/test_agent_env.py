@@ -2,7 +2,6 @@
 
 import json
 import random
-import threading
 from pathlib import Path
 
 import pytest

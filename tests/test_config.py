@@ -3,7 +3,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from rapo_ray.config import Config, ConfigError, diff_configs, help_text, load_config, save_config, to_dict
 

@@ -1,7 +1,7 @@
 """The distributed pieces on a local Ray: fleet accounting, scaling, weight sync, the end-to-end job."""
 
 import json
-import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -127,7 +127,8 @@ def test_end_to_end_rapo_and_resume_is_exact(ray_session, warm_cfg):
     steps = [m for m in metrics if "reward" in m]
     assert len(steps) == 2 and all(m["rollout_tokens"] > 0 for m in steps)
     assert sum(m["retrievals"] for m in steps) > 0  # hybrid slots retrieved through Serve + Milvus
-    assert (f"{rd}/curves.png") and json.load(open(f"{rd}/summary.json"))["steps"] == 2
+    assert Path(f"{rd}/curves.png").is_file() and json.load(open(f"{rd}/summary.json"))["steps"] == 2
+    assert list(Path(rd, "tb").glob("events.out.tfevents.*"))  # TensorBoard event files
     import pyarrow.parquet as pq
 
     t = pq.read_table(f"{rd}/trajectories/step-000001.parquet")

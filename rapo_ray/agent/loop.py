@@ -323,8 +323,7 @@ class AgentLoop:
 
     def _score(self, t: Trajectory):
         # Policy-generated text only: tool results and retrieved blocks earn nothing.
-        text = "".join(self.tok.decode(seg, skip_special_tokens=False) for seg in t.segment_ids(GENERATED))
-        sc = rewards.score(text, t.answers, t.task_kind, self.s.tool_bonus)
+        sc = rewards.score(generated_text(self.tok, t), t.answers, t.task_kind, self.s.tool_bonus)
         t.reward, t.correct, t.f1, t.format_ok, t.answer = sc.reward, sc.correct, sc.f1, sc.format_ok, sc.answer
 
 
@@ -336,4 +335,4 @@ def full_text(tokenizer, t: Trajectory) -> str:
     return tokenizer.decode(t.response_ids, skip_special_tokens=False)
 
 
-__all__ = ["AgentLoop", "LoopSettings", "RolloutStats", "Task", "generated_text", "full_text", "RETRIEVED"]
+__all__ = ["AgentLoop", "LoopSettings", "RolloutStats", "Task", "generated_text", "full_text"]

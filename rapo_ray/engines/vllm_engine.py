@@ -19,7 +19,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from rapo_ray.engines.base import GenerationResult, InferenceEngine, SamplingParams
+from rapo_ray.engines.base import GenerationResult, InferenceEngine
 
 
 def vllm_available() -> bool:

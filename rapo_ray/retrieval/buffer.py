@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -136,7 +136,3 @@ def build_buffer(cfg, model_dir: str, uri: str, tasks: list, manifest: Path, log
     log(f"step-trace buffer: {total} steps in {cfg.retrieval.collection!r} ({report.steps} written now, "
         f"{report.skipped_questions} questions already done) in {report.seconds:.0f} s")
     return report
-
-
-def steps_as_dicts(steps: list[StoredStep]) -> list[dict]:
-    return [asdict(s) for s in steps]

@@ -120,11 +120,10 @@ class MilvusStepStore:
     def search(self, vectors: np.ndarray, top_k: int = 3, exclude_question: Sequence[str] | None = None) -> list[list[RetrievedStep]]:
         if len(vectors) == 0:
             return []
-        kwargs = {}
         res = self.client.search(
             self.collection, data=[v.astype(np.float32).tolist() for v in vectors], limit=top_k + (8 if exclude_question else 0),
             output_fields=["value", "value_ids", "reward", "question_id"],
-            search_params={"metric_type": "IP", "params": {"ef": max(SEARCH_EF, top_k)}}, **kwargs)
+            search_params={"metric_type": "IP", "params": {"ef": max(SEARCH_EF, top_k)}})
         out = []
         for i, hits in enumerate(res):
             row = []
