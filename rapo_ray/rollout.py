@@ -42,7 +42,7 @@ class RolloutWorker:
                                             seed=cfg.trainer.seed + 1000 + worker_id, max_chars=cfg.retrieval.query_max_chars)
         self.train_settings = LoopSettings.from_config(cfg)
         self.eval_settings = LoopSettings.from_config(cfg, evaluation=True)
-        self.loop_cls = AgentLoop
+        self.loop_cls = AgentLoop  # imported lazily above (actor-side imports)
         self.retriever = retriever
         self._collective: str | None = None
 
@@ -81,13 +81,6 @@ class RolloutWorker:
         sd = receive_buckets(spec, bucket_numels, name)
         self.engine.load_weights(sd, version)
         return version
-
-    def weights_checksum(self) -> float:
-        """Sum of the engine's parameters (torch engine only), used by tests to compare with the learner."""
-        model = getattr(self.engine, "model", None)
-        if model is None:
-            raise RuntimeError("weights_checksum needs the torch engine")
-        return float(sum(p.double().sum() for p in model.state_dict().values()))
 
     def state_dict(self) -> dict:
         model = getattr(self.engine, "model", None)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 from rapo_ray.agent import protocol
@@ -91,7 +91,6 @@ class RolloutStats:
     retrieve_s: float = 0.0
     turns: int = 0
     engine_calls: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class AgentLoop:
@@ -292,13 +291,12 @@ class AgentLoop:
             if t.finished:
                 continue
             steps = [(s, e) for kind, s, e in t.segments if kind == GENERATED]
+            key = (t.group_id, t.slot if t.parent is None else t.parent)  # a branch shares its root's initial entropy
             first = normalized_segment_entropy(t.token_entropies[steps[0][0]:steps[0][1]], k, vocab)
-            brancher.set_initial((t.group_id, t.slot if t.parent is None else t.parent), first)
+            brancher.set_initial(key, first)
             s, e = steps[-1]
             now = normalized_segment_entropy(t.token_entropies[s:e], k, vocab)
-            budget = budgets[t.group_id]
-            key = (t.group_id, t.slot if t.parent is None else t.parent)
-            for _ in budget.allocate([i], lambda _i: brancher.decide(key, now)):
+            for _ in budgets[t.group_id].allocate([i], lambda _i: brancher.decide(key, now)):
                 child = t.fork(slot=max(x.slot for x in trajs if x.group_id == t.group_id) + 1)
                 trajs.append(child)
 
