@@ -85,3 +85,17 @@ def ray_session():
                  log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_url(ray_session):
+    """Ray Serve's HTTP proxy on a free loopback port, started once for the suite; apps add routes under it."""
+    import socket
+
+    from ray import serve
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return f"http://127.0.0.1:{port}"

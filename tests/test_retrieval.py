@@ -75,7 +75,7 @@ def test_embedder_pooling_and_truncation():
         Embedder(pooling="max")
 
 
-def test_serve_app_handle_and_http(ray_session, tmp_path):
+def test_serve_app_handle_and_http(serve_url, tmp_path):
     import requests
     from ray import serve
 
@@ -91,15 +91,11 @@ def test_serve_app_handle_and_http(ray_session, tmp_path):
         store = MilvusStepStore(server.uri, "svc", dim=384)
         store.upsert(steps, emb.embed([s.key for s in steps]))
         store.close()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(cfg.retrieval, server.uri), name="retrieval_test", route_prefix="/retrieve")
         handle = serve.get_deployment_handle("StepRetriever", app_name="retrieval_test")
         out = HandleStepRetriever(handle).retrieve(["key 7", "key 12"])
         assert [o.value for o in out] == ["<think>v7</think>", "<think>v12</think>"]
-        url = f"http://127.0.0.1:{port}/retrieve"
+        url = f"{serve_url}/retrieve"
         r = requests.post(url, json={"queries": ["key 3"], "top_k": 2}, timeout=30)
         assert r.status_code == 200 and len(r.json()["results"][0]) == 2
         assert set(r.json()["results"][0][0]) == {"value", "value_ids", "score", "reward", "meta"}
@@ -112,7 +108,7 @@ def test_serve_app_handle_and_http(ray_session, tmp_path):
         noisy = HandleStepRetriever(handle, noise_prob=1.0, seed=0).retrieve(["key 7"])
         assert noisy[0].noise
     finally:
-        serve.shutdown()
+        serve.delete("retrieval_test")
         server.stop()
 
 

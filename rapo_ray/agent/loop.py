@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from rapo_ray.agent import protocol
 from rapo_ray.agent.retriever import StepRetriever, query_text
@@ -41,6 +41,8 @@ class Task:
     question: str
     answers: tuple
     kind: str = "qa"  # "math" | "qa"
+    # A chat conversation ({"role", "content"} dicts) to continue instead of ``question`` (serving).
+    messages: tuple = ()
 
 
 @dataclass
@@ -95,9 +97,10 @@ class RolloutStats:
 
 class AgentLoop:
     def __init__(self, engine: InferenceEngine, tokenizer, tools: ToolSet, settings: LoopSettings,
-                 retriever: StepRetriever | None = None):
+                 retriever: StepRetriever | None = None, on_append: Callable[[Trajectory, str, list[int]], None] | None = None):
         self.engine, self.tok, self.tools, self.s = engine, tokenizer, tools, settings
         self.retriever = retriever
+        self.on_append = on_append  # called after every segment (generated / tool_result / retrieved): streaming
         self.system_prompt = settings.system_prompt
         self.rng = random.Random(settings.seed)
         self.eos_id = tokenizer.eos_token_id
@@ -119,6 +122,20 @@ class AgentLoop:
             return list(self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))
         return self._encode(protocol.render_prompt(question, self.system_prompt))
 
+    def messages_prompt_ids(self, messages: Sequence[dict]) -> list[int]:
+        """Prompt for a chat conversation; a leading system message replaces the loop's system prompt."""
+        msgs = list(messages)
+        system = self.system_prompt
+        if msgs and msgs[0]["role"] == "system":
+            system, msgs = msgs[0]["content"], msgs[1:]
+        if getattr(self.tok, "chat_template", None) and protocol.ASSISTANT not in self.tok.get_vocab():
+            full = [{"role": "system", "content": system}] + msgs
+            return list(self.tok.apply_chat_template(full, add_generation_prompt=True, tokenize=True))
+        return self._encode(protocol.render_conversation(msgs, system))
+
+    def task_prompt_ids(self, task: Task) -> list[int]:
+        return self.messages_prompt_ids(task.messages) if task.messages else self.prompt_ids(task.question)
+
     # ------------------------------------------------------------ public
 
     def run_groups(self, tasks: Sequence[Task], group_size: int, n_hybrid: int = 0, group_ids: Sequence[str] | None = None) -> tuple[list[Trajectory], RolloutStats]:
@@ -128,7 +145,7 @@ class AgentLoop:
         trajs: list[Trajectory] = []
         budgets: dict[str, BranchBudget] = {}
         for task, gid in zip(tasks, group_ids):
-            prompt = self.prompt_ids(task.question)
+            prompt = self.task_prompt_ids(task)
             n_start = group_size if self.s.arpo_initial is None else self.s.arpo_initial
             if self.s.arpo_initial is not None:
                 budgets[gid] = BranchBudget(total=group_size, initial=n_start, beam_size=self.s.arpo_beam_size)
@@ -188,6 +205,7 @@ class AgentLoop:
                 t = trajs[i]
                 t.entropy_is_estimate = res.entropy_is_estimate
                 t.append(GENERATED, list(res.token_ids), list(res.logprobs), list(res.entropies))
+                self._emit(t, GENERATED, res.token_ids)
                 if i in pending_retrieval:
                     pending_retrieval.pop(i).step_after = t.num_generated_steps - 1
                 call = self._classify_step(t, res)
@@ -220,6 +238,7 @@ class AgentLoop:
                 t.retrieval_fallbacks += 1
                 continue
             t.append(RETRIEVED, ids)
+            self._emit(t, RETRIEVED, ids)
             r = Retrieval(step_before=t.num_generated_steps - 1, step_after=None, score=hit.score,
                           source_id=hit.question_id, noise=hit.noise)
             t.retrievals.append(r)
@@ -283,6 +302,7 @@ class AgentLoop:
                 close = self._encode(protocol.RESULT[1])
                 ids = ids[: max(room - 1 - len(close), 0)] + close
             t.append(TOOL_RESULT, ids)
+            self._emit(t, TOOL_RESULT, ids)
 
     def _arpo_branch(self, trajs: list[Trajectory], just_called: list[int], budgets: dict, brancher: EntropyBrancher):
         k, vocab = self.s.arpo_entropy_tokens, len(self.tok)
@@ -308,12 +328,16 @@ class AgentLoop:
             if n <= 0:
                 continue
             task = tasks_by_group[gid]
-            prompt = self.prompt_ids(task.question)
+            prompt = self.task_prompt_ids(task)
             top = max(x.slot for x in trajs if x.group_id == gid)
             for j in range(n):
                 trajs.append(self._new(task, gid, top + 1 + j, ON_POLICY, prompt))
             added = True
         return added
+
+    def _emit(self, t: Trajectory, kind: str, ids) -> None:
+        if self.on_append is not None:
+            self.on_append(t, kind, list(ids))
 
     @staticmethod
     def _finish(t: Trajectory, reason: str):

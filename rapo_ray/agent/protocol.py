@@ -71,3 +71,17 @@ def extract_boxed(text: str) -> str | None:
 def render_prompt(question: str, system: str = SYSTEM_PROMPT) -> str:
     """Prompt text for the bundled model's chat frame (ends where the assistant starts generating)."""
     return f"{BOS}{SYSTEM}{system}{USER}{question}{ASSISTANT}"
+
+
+def render_conversation(messages, system: str = SYSTEM_PROMPT) -> str:
+    """A multi-turn chat in the bundled model's frame: user turns after ``<|user|>``, earlier assistant turns
+    closed by ``<|eos|>``; ends where the assistant starts generating."""
+    parts = [BOS, SYSTEM, system]
+    for m in messages:
+        if m["role"] == "user":
+            parts += [USER, m["content"]]
+        elif m["role"] == "assistant":
+            parts += [ASSISTANT, m["content"], EOS]
+        else:
+            raise ValueError(f"message role {m['role']!r}: only a leading system message, user and assistant are supported")
+    return "".join(parts + [ASSISTANT])

@@ -196,3 +196,48 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class MilvusDocumentIndex:
+    """The search tool's corpus as a Milvus collection (id, vector, text): dense search with the same
+    embedder and index settings as the step buffer. Implements ``DocumentIndex.search(query, k)``."""
+
+    def __init__(self, uri: str, collection: str, embedder, token: str = ""):
+        from pymilvus import DataType, MilvusClient
+
+        self.uri, self.collection, self.embedder = uri, collection, embedder
+        self.client = _connect(uri, token)
+        if not self.client.has_collection(collection):
+            schema = MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
+            schema.add_field("id", DataType.VARCHAR, is_primary=True, max_length=64)
+            schema.add_field("vector", DataType.FLOAT_VECTOR, dim=embedder.dim)
+            schema.add_field("text", DataType.VARCHAR, max_length=MAX_TEXT)
+            idx = self.client.prepare_index_params()
+            idx.add_index(field_name="vector", index_type="HNSW", metric_type="IP", params=dict(HNSW))
+            self.client.create_collection(collection, schema=schema, index_params=idx)
+        self.client.load_collection(collection)
+
+    def add(self, documents: Sequence[str], batch_size: int = 256) -> int:
+        """Upsert documents (keyed by content hash: adding the same text twice keeps one row)."""
+        for start in range(0, len(documents), batch_size):
+            docs = [d[:MAX_TEXT // 4] for d in documents[start:start + batch_size]]
+            vectors = self.embedder.embed(docs)
+            self.client.upsert(self.collection, [
+                {"id": hashlib.sha1(d.encode()).hexdigest()[:32], "vector": v.astype(np.float32).tolist(), "text": d}
+                for d, v in zip(docs, vectors)])
+        return len(documents)
+
+    def count(self) -> int:
+        return int(self.client.get_collection_stats(self.collection)["row_count"])
+
+    def search(self, query: str, k: int = 3) -> list[tuple[str, float]]:
+        vec = self.embedder.embed([query])[0]
+        res = self.client.search(self.collection, data=[vec.astype(np.float32).tolist()], limit=k, output_fields=["text"],
+                                 search_params={"metric_type": "IP", "params": {"ef": max(SEARCH_EF, k)}})
+        return [(h["entity"]["text"], float(h["distance"])) for h in res[0]]
+
+    def close(self):
+        try:
+            self.client.close()
+        except Exception:
+            pass

@@ -1,0 +1,1 @@
+"""Serving the trained agent: an OpenAI-compatible Ray Serve app that runs the tool loop (``app.py``)."""

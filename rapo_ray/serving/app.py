@@ -1,0 +1,256 @@
+"""The trained agent behind Ray Serve: OpenAI-compatible chat completions that run the tool loop.
+
+    POST /v1/chat/completions   OpenAI format; "stream": true gives server-sent events
+    GET  /v1/models             the served checkpoint
+    GET  /health                replica status (engine batcher statistics, checkpoint, policy version)
+
+A replica loads the checkpoint into the same ``InferenceEngine`` the rollout fleet uses (vLLM on a GPU,
+the torch engine on CPU), wraps it in a ``BatchingEngine`` so concurrent conversations share engine calls,
+and runs each conversation's agent loop (sandboxed python, search; never retrieval of training traces) in a
+thread. Deploying again with another checkpoint is a Serve rolling update: new replicas start and pass their
+health check before old ones drain, so clients see no downtime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import importlib
+import json
+import os
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+
+from rapo_ray.config import Config, ConfigError, from_dict, load_config, to_dict
+from rapo_ray.model import resolve_checkpoint
+from rapo_ray.algos.entropy import GENERATED
+from rapo_ray.serving.chat import (FINISH_REASON, BadRequest, ChatRequest, answer_of, chunk, completion_response, parse_chat_request,
+                                   tool_trace, usage)
+
+api = FastAPI(title="rapo_ray agent", docs_url=None, redoc_url=None)
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status_code=status)
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+# ---------------------------------------------------------------- replica parts
+# (defined before the deployment class: Serve pickles the class when it is decorated)
+
+
+def _context_length(model_dir: str) -> int:
+    data = json.loads((Path(model_dir) / "config.json").read_text())
+    return int(data.get("max_position_embeddings", 2048))
+
+
+def _make_engine(sc, cfg: Config, model_dir: str, tokenizer):
+    """serve.engine_factory if set; else vLLM on a GPU, the torch engine on CPU (or what serve.engine names)."""
+    if sc.engine_factory:
+        module, _, fn = sc.engine_factory.partition(":")
+        if not fn:
+            raise ConfigError(f"serve.engine_factory={sc.engine_factory!r} must be 'module:function'")
+        return getattr(importlib.import_module(module), fn)(model_dir, tokenizer, **sc.engine_kwargs)
+    from rapo_ray.engines import make_engine
+    from rapo_ray.engines.vllm_engine import on_gpu, vllm_available
+
+    name = sc.engine
+    if name == "auto":
+        name = "vllm" if on_gpu() and vllm_available() else "torch"
+    return make_engine(replace(cfg.rollout, engine=name), model_dir, dtype=cfg.model.dtype, max_model_len=_context_length(model_dir))
+
+
+def _make_tools(cfg: Config):
+    """Python sandbox + search over the corpus: in-memory lexical, or Milvus (dense) when configured."""
+    from rapo_ray.envs.suite import build_tools
+
+    sc = cfg.serve
+    index = None
+    if sc.search_backend == "milvus":
+        from rapo_ray.envs import tasks as bundled
+        from rapo_ray.retrieval.embedder import Embedder
+        from rapo_ray.retrieval.store import MilvusDocumentIndex
+
+        uri = sc.search_milvus_uri or str(Path(tempfile.mkdtemp(prefix="rapo_search_")) / "corpus.db")  # per replica
+        index = MilvusDocumentIndex(uri, sc.search_collection, Embedder(pooling="mean"), token=cfg.retrieval.milvus_token)
+        if index.count() == 0:
+            index.add(bundled.make_world(cfg.tasks.seed).documents())
+    return build_tools(cfg.tasks, cfg.rollout, search_index=index, max_concurrency=sc.tool_concurrency)
+
+
+@serve.deployment(name="AgentServer", health_check_period_s=5, health_check_timeout_s=30, graceful_shutdown_timeout_s=60)
+@serve.ingress(api)
+class AgentServer:
+    def __init__(self, model_dir: str, cfg_dict: dict, model_name: str):
+        from rapo_ray.agent import protocol
+        from rapo_ray.model import load_tokenizer, set_torch_threads
+        from rapo_ray.serving.batching import BatchingEngine
+
+        set_torch_threads(max(1, int(os.environ.get("RAPO_SERVE_THREADS", "1"))))
+        self.cfg: Config = from_dict(cfg_dict)
+        sc = self.cfg.serve
+        self.model_dir, self.model_name = model_dir, model_name
+        self.tok = load_tokenizer(model_dir)
+        self.engine = BatchingEngine(_make_engine(sc, self.cfg, model_dir, self.tok), sc.max_batch_size, sc.batch_wait_ms)
+        self.tools = _make_tools(self.cfg)
+        self.bundled = protocol.ASSISTANT in self.tok.get_vocab()
+        self.system_prompt = protocol.system_prompt_for(self.cfg.tasks.system_prompt, bundled=self.bundled)
+        self.max_context = _context_length(model_dir)
+        self.pool = ThreadPoolExecutor(max_workers=sc.max_ongoing_requests, thread_name_prefix="conversation")
+        self.api_key = sc.api_key or (os.environ.get(sc.api_key_env, "") if sc.api_key_env else "")
+        self.requests = self.failures = 0
+
+    # ------------------------------------------------------------ routes
+
+    @api.get("/health")
+    def health(self):
+        return {"status": "ok", "model": self.model_name, "checkpoint": self.model_dir, "requests": self.requests,
+                "failures": self.failures, "engine_calls": self.engine.engine_calls, "prompts": self.engine.prompts_served}
+
+    @api.get("/v1/models")
+    def models(self, request: Request):
+        if (denied := self._check_auth(request)) is not None:
+            return denied
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "rapo_ray",
+                                            "root": self.model_dir}]}
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        if (denied := self._check_auth(request)) is not None:
+            return denied
+        try:
+            body = await request.json()
+        except Exception:
+            return _error(400, "the request body is not valid JSON")
+        try:
+            req = parse_chat_request(body, self.cfg.serve, self.model_name)
+            task = self._task(req)
+        except BadRequest as exc:
+            return _error(400, str(exc))
+        self.requests += 1
+        if req.stream:
+            return StreamingResponse(self._stream(req, task), media_type="text/event-stream")
+        loop = asyncio.get_running_loop()
+        try:
+            traj = await loop.run_in_executor(self.pool, self._converse, req, task, None)
+        except Exception as exc:  # the replica keeps serving; the client learns what failed
+            self.failures += 1
+            return _error(500, f"agent loop failed: {type(exc).__name__}: {exc}", kind="server_error")
+        resp = completion_response(req, self.tok, traj)
+        resp["agent"]["checkpoint"] = self.model_dir
+        return resp
+
+    def check_health(self):
+        if not self.engine._thread.is_alive():
+            raise RuntimeError("the engine batcher thread died")
+
+    # ------------------------------------------------------------ the agent loop
+
+    def _check_auth(self, request: Request):
+        if not self.api_key:
+            return None
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            return _error(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", kind="invalid_request_error", code="invalid_api_key")
+        return None
+
+    def _task(self, req: ChatRequest):
+        from rapo_ray.agent.loop import Task
+
+        task = Task(id=req.id, question=req.messages[-1]["content"], answers=(), kind="qa", messages=tuple(req.messages))
+        n_prompt = len(self._loop(req).task_prompt_ids(task))
+        if n_prompt > self.cfg.serve.max_prompt_tokens:
+            raise BadRequest(f"the prompt is {n_prompt} tokens; the limit is {self.cfg.serve.max_prompt_tokens} (serve.max_prompt_tokens)")
+        if n_prompt + req.max_tokens > self.max_context:
+            raise BadRequest(f"prompt ({n_prompt} tokens) + max_tokens ({req.max_tokens}) exceeds the model's context of {self.max_context}")
+        return task
+
+    def _loop(self, req: ChatRequest, on_append=None):
+        from rapo_ray.agent.loop import AgentLoop, LoopSettings
+
+        sc = self.cfg.serve
+        settings = LoopSettings(temperature=req.temperature, top_p=req.top_p, max_response_tokens=req.max_tokens,
+                                max_step_tokens=min(sc.max_step_tokens, req.max_tokens), max_tool_calls=req.max_tool_calls,
+                                retrieve_prob=0.0, seed=req.seed, system_prompt=self.system_prompt)
+        return AgentLoop(self.engine, self.tok, self.tools, settings, retriever=None, on_append=on_append)
+
+    def _converse(self, req: ChatRequest, task, on_append):
+        (traj,), _ = self._loop(req, on_append).run_groups([task], group_size=1)
+        return traj
+
+    async def _stream(self, req: ChatRequest, task):
+        """SSE: the role, then every segment of the tool loop as ``reasoning_content`` as it happens, then the
+        answer as ``content``, the finish reason (with the tool trace), optional usage, and ``[DONE]``."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        segments: list[tuple[str, str]] = []
+
+        def on_append(_traj, kind, ids):  # runs in the conversation thread
+            loop.call_soon_threadsafe(events.put_nowait, (kind, ids))
+
+        fut = loop.run_in_executor(self.pool, self._converse, req, task, on_append)
+        fut.add_done_callback(lambda _f: events.put_nowait(None))
+        yield _sse(chunk(req, {"role": "assistant", "content": ""}))
+        while (item := await events.get()) is not None:
+            kind, ids = item
+            text = self.tok.decode(ids, skip_special_tokens=False)
+            segments.append((kind, text))
+            yield _sse(chunk(req, {"reasoning_content": text}))
+        try:
+            traj = fut.result()
+        except Exception as exc:
+            self.failures += 1
+            yield _sse({"error": {"message": f"agent loop failed: {type(exc).__name__}: {exc}", "type": "server_error"}})
+            yield "data: [DONE]\n\n"
+            return
+        generated = "".join(t for k, t in segments if k == GENERATED)
+        yield _sse(chunk(req, {"content": answer_of(generated)}))
+        yield _sse(chunk(req, {}, FINISH_REASON.get(traj.finish_reason, "stop"),
+                         extra={"tool_trace": tool_trace(segments), "agent": {"finish_reason": traj.finish_reason, "tool_calls": traj.tool_calls}}))
+        if req.include_usage:
+            yield _sse({"id": req.id, "object": "chat.completion.chunk", "created": req.created, "model": req.model,
+                        "choices": [], "usage": usage(traj)})
+        yield "data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------- building the application
+
+
+def build_agent_app(cfg: Config, checkpoint: str | Path):
+    """The Serve application for ``checkpoint`` (see ``resolve_checkpoint``) under ``cfg.serve``."""
+    model_dir = resolve_checkpoint(checkpoint)
+    sc = cfg.serve
+    # Default model id: the run's name for a trainer checkpoint (stable across its checkpoints, so clients keep
+    # working through a rolling update to a newer one), else the folder's name.
+    name = sc.model_name or (model_dir.parent.parent.name if model_dir.name.startswith("step-") else model_dir.name)
+    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    if sc.api_key_env and os.environ.get(sc.api_key_env):  # the replicas read the key where the deployer has it
+        env[sc.api_key_env] = os.environ[sc.api_key_env]
+    return AgentServer.options(
+        autoscaling_config={"min_replicas": sc.min_replicas, "max_replicas": sc.max_replicas,
+                            "target_ongoing_requests": sc.target_ongoing_requests},
+        max_ongoing_requests=sc.max_ongoing_requests,
+        ray_actor_options={"num_cpus": sc.num_cpus, "num_gpus": sc.num_gpus, "runtime_env": {"env_vars": env}},
+    ).bind(str(model_dir.resolve()), to_dict(cfg), name)
+
+
+def app_builder(args: dict):
+    """For ``serve run`` / ``serve deploy``: args ``checkpoint`` (required), ``config`` (a YAML file) and any
+    dotted overrides (``serve.max_tokens: 256``)."""
+    args = dict(args)
+    if "checkpoint" not in args:
+        raise ConfigError("serve application args: 'checkpoint' is required (an HF folder, a checkpoint, or a run directory)")
+    checkpoint = args.pop("checkpoint")
+    config = args.pop("config", None)
+    cfg = load_config(config, [f"{k}={v}" for k, v in args.items()])
+    return build_agent_app(cfg, checkpoint)

@@ -1,0 +1,326 @@
+"""Serving the agent: OpenAI wire format, cross-request batching, checkpoints, and the Serve app end to end
+with the official ``openai`` client on 127.0.0.1."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from rapo_ray.config import ConfigError, load_config
+from rapo_ray.engines.base import GenerationResult, InferenceEngine, SamplingParams
+from rapo_ray.serving.batching import BatchingEngine
+from rapo_ray.serving.chat import BadRequest, answer_of, parse_chat_request, tool_trace
+
+SERVE_CFG = load_config(overrides=["serve.max_tokens=64", "serve.default_max_tokens=32", "serve.max_request_chars=200", "serve.max_tool_calls=3"]).serve
+
+
+def _user(text="What is 6*7?"):
+    return [{"role": "user", "content": text}]
+
+
+# ---------------------------------------------------------------- request validation
+
+
+@pytest.mark.parametrize("body, message", [
+    ({}, "'messages' is required"),
+    ([1], "must be a JSON object"),
+    ({"messages": "hi"}, "'messages' must be a non-empty list"),
+    ({"messages": []}, "'messages' must be a non-empty list"),
+    ({"messages": ["hi"]}, "messages[0] must be an object"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role must be one of"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content must be a string"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text parts"),
+    ({"messages": _user() + [{"role": "system", "content": "x"}]}, "messages[1]: a system message is only allowed first"),
+    ({"messages": _user() + [{"role": "assistant", "content": "x"}]}, "the last message must be from the user"),
+    ({"messages": _user("x" * 201)}, "hold 201 characters; the limit is 200"),
+    ({"messages": _user(), "max_tokens": 65}, "'max_tokens' must be in [1, 64], got 65"),
+    ({"messages": _user(), "max_tokens": "10"}, "'max_tokens' must be an integer, got str"),
+    ({"messages": _user(), "temperature": 3}, "'temperature' must be in [0, 2], got 3"),
+    ({"messages": _user(), "temperature": True}, "'temperature' must be a number, got bool"),
+    ({"messages": _user(), "n": 2}, "'n' must be 1"),
+    ({"messages": _user(), "stream": "yes"}, "'stream' must be a boolean"),
+    ({"messages": _user(), "model": "gpt-4"}, "unknown model 'gpt-4'; this server serves 'agent'"),
+    ({"messages": _user(), "max_tool_calls": 4}, "'max_tool_calls' must be in [0, 3], got 4"),
+    ({"messages": _user(), "tools": [{"type": "function"}]}, "'tools' is not supported"),
+    ({"messages": _user(), "foo": 1}, "unknown fields ['foo']"),
+])
+def test_bad_requests_name_the_field(body, message):
+    with pytest.raises(BadRequest) as err:
+        parse_chat_request(body, SERVE_CFG, "agent")
+    assert message in str(err.value)
+
+
+def test_request_defaults_and_text_parts():
+    req = parse_chat_request({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+                              "max_completion_tokens": 12, "stream": True, "stream_options": {"include_usage": True}}, SERVE_CFG, "agent")
+    assert req.messages[1] == {"role": "user", "content": "ab"} and req.max_tokens == 12
+    assert req.stream and req.include_usage and req.temperature == 1.0 and req.max_tool_calls == 3 and req.model == "agent"
+    assert parse_chat_request({"messages": _user()}, SERVE_CFG, "agent").max_tokens == SERVE_CFG.default_max_tokens
+
+
+def test_answer_and_tool_trace_from_segments():
+    segs = [("generated", "<think>a</think><python>print(6*7)</python>"), ("tool_result", "<result>42</result>"),
+            ("generated", "<think>b</think><search>x</python>"), ("tool_result", "<result>Error: bad</result>"),
+            ("generated", "<think>c</think><answer>\\boxed{42}</answer>")]
+    assert answer_of("".join(t for k, t in segs if k == "generated")) == "\\boxed{42}"
+    assert answer_of("<think>no answer</think>") == "no answer"
+    assert tool_trace(segs) == [{"tool": "python", "input": "print(6*7)", "output": "42"},
+                                {"tool": "python", "input": "malformed call: </python> closes <search> (mismatched tags)", "output": "Error: bad"}]
+
+
+def test_conversation_frame_matches_single_turn_prompt():
+    from rapo_ray.agent import protocol
+
+    assert protocol.render_conversation(_user("q"), "s") == protocol.render_prompt("q", "s")
+    two = protocol.render_conversation(_user("q1") + [{"role": "assistant", "content": "a1"}] + _user("q2"), "s")
+    assert two == "<|bos|><|system|>s<|user|>q1<|assistant|>a1<|eos|><|user|>q2<|assistant|>"
+
+
+# ---------------------------------------------------------------- cross-request batching
+
+
+class _EchoEngine(InferenceEngine):
+    """Returns [len(prompt), first token] per prompt; records each call's batch size."""
+
+    def __init__(self, fail_on: int | None = None):
+        super().__init__()
+        self.batches, self.fail_on = [], fail_on
+
+    def generate(self, prompts, params):
+        time.sleep(0.05)  # a busy engine, so concurrent callers pile up behind it
+        self.batches.append(len(prompts))
+        if self.fail_on is not None and any(p[0] == self.fail_on for p in prompts):
+            raise RuntimeError("engine failure")
+        return [GenerationResult([len(p), p[0]], [0.0, 0.0], [0.0, 0.0], "stop") for p in prompts]
+
+    def load_weights(self, state_dict, version):
+        self.version = version
+
+
+def test_batching_engine_merges_concurrent_calls_and_routes_results():
+    inner = _EchoEngine()
+    eng = BatchingEngine(inner, max_batch_size=64, wait_ms=20)
+    out = {}
+
+    def call(i):
+        out[i] = eng.generate([[i] * (i + 1), [100 + i]], SamplingParams(max_new_tokens=2))
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert {i: [r.token_ids for r in res] for i, res in out.items()} == {i: [[i + 1, i], [1, 100 + i]] for i in range(16)}
+    assert sum(inner.batches) == 32 and len(inner.batches) < 16  # fewer engine calls than conversations
+    assert eng.engine_calls == len(inner.batches) and eng.prompts_served == 32
+    eng.load_weights({}, 7)
+    assert eng.version == 7
+    eng.close()
+
+
+def test_batching_engine_error_reaches_callers_and_batcher_survives():
+    eng = BatchingEngine(_EchoEngine(fail_on=13), wait_ms=1)
+    with pytest.raises(RuntimeError, match="engine failure"):
+        eng.generate([[13]], SamplingParams())
+    assert eng.generate([[5]], SamplingParams())[0].token_ids == [1, 5]
+    eng.close()
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def test_resolve_checkpoint(tmp_path, tiny_model_dir):
+    import shutil
+
+    from rapo_ray.model import ModelLoadError, resolve_checkpoint
+
+    assert resolve_checkpoint(tiny_model_dir) == Path(tiny_model_dir)
+    run = tmp_path / "runs" / "rapo-1"
+    for step in ("step-000010", "step-000020"):
+        shutil.copytree(tiny_model_dir, run / "checkpoints" / step)
+        (run / "checkpoints" / step / "COMPLETE").write_text("ok\n")
+        time.sleep(0.01)
+    shutil.copytree(tiny_model_dir, run / "checkpoints" / "step-000030")  # being written: no marker
+    assert resolve_checkpoint(run).name == "step-000020"
+    assert resolve_checkpoint(tmp_path / "runs").name == "step-000020"
+    with pytest.raises(ModelLoadError, match="incomplete"):
+        resolve_checkpoint(run / "checkpoints" / "step-000030")
+    with pytest.raises(ModelLoadError, match="no such directory"):
+        resolve_checkpoint(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="no complete checkpoint"):
+        resolve_checkpoint(tmp_path / "empty")
+
+
+def test_serve_config_file_validates_and_builds(tiny_model_dir):
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from rapo_ray.serving.app import app_builder
+
+    data = yaml.safe_load((Path(__file__).parents[1] / "configs" / "serve" / "agent.yaml").read_text())
+    schema = ServeDeploySchema.parse_obj(data)
+    app_cfg = schema.applications[0]
+    assert app_cfg.import_path == "rapo_ray.serving.app:app_builder" and data["http_options"]["host"] == "127.0.0.1"
+    args = dict(app_cfg.args, checkpoint=str(tiny_model_dir))
+    app = app_builder(args)
+    assert type(app).__name__ == "Application"
+    with pytest.raises(ConfigError, match="'checkpoint' is required"):
+        app_builder({})
+    with pytest.raises(ConfigError, match="serve.nope"):
+        app_builder({"checkpoint": str(tiny_model_dir), "serve.nope": 1})
+
+
+# ---------------------------------------------------------------- the Serve app with the openai client
+
+HOSTILE_STEPS = [
+    "<think>a</think><python>open('/etc/rapo_pwned', 'w').write('x')</python>",
+    "<think>b</think><python>while True:\n    pass</python>",
+    "<think>c</think><python>import os\nos.system('touch /tmp/rapo_pwned_shell')</python>",
+    "<think>d</think><answer>\\boxed{survived}</answer>",
+]
+
+
+@pytest.fixture(scope="module")
+def agent_apps(serve_url, tiny_cfg, tiny_model_dir):
+    """Two apps: the tiny bundled model with auth on, and a scripted hostile agent without auth."""
+    from ray import serve
+
+    from rapo_ray.serving.app import build_agent_app
+
+    cfg = replace(tiny_cfg, serve=replace(tiny_cfg.serve, api_key="sekret", model_name="tiny", max_tokens=64, default_max_tokens=32,
+                                          max_step_tokens=16, max_prompt_tokens=256))
+    serve.run(build_agent_app(cfg, tiny_model_dir), name="agent_test", route_prefix="/agent")
+    hostile = replace(tiny_cfg, rollout=replace(tiny_cfg.rollout, tool_timeout_s=1.0),
+                      serve=replace(tiny_cfg.serve, model_name="scripted", engine_factory="rapo_ray.engines.scripted:scripted_engine",
+                                    engine_kwargs={"steps": HOSTILE_STEPS}))
+    serve.run(build_agent_app(hostile, tiny_model_dir), name="scripted_test", route_prefix="/scripted")
+    yield {"agent": f"{serve_url}/agent", "scripted": f"{serve_url}/scripted"}
+    serve.delete("agent_test")
+    serve.delete("scripted_test")
+
+
+def test_chat_completion_and_streaming_round_trip(agent_apps):
+    import openai
+
+    client = openai.OpenAI(base_url=agent_apps["agent"] + "/v1", api_key="sekret", max_retries=0, timeout=120)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    resp = client.chat.completions.create(model="tiny", messages=_user(), max_tokens=24, temperature=0.0)
+    choice = resp.choices[0]
+    assert resp.object == "chat.completion" and choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    assert 0 < resp.usage.completion_tokens <= 24 and resp.usage.prompt_tokens > 0
+    extra = choice.message.model_extra
+    assert isinstance(extra["reasoning_content"], str) and isinstance(extra["tool_trace"], list)
+    # Greedy decoding is deterministic: the stream carries the same reasoning and answer.
+    stream = client.chat.completions.create(model="tiny", messages=_user(), max_tokens=24, temperature=0.0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    reasoning = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in chunks if c.choices)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert reasoning == extra["reasoning_content"] and content == choice.message.content
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == choice.finish_reason
+    assert chunks[-1].usage.completion_tokens == resp.usage.completion_tokens
+
+
+def test_bad_requests_get_400_and_the_replica_keeps_serving(agent_apps):
+    import openai
+    import requests
+
+    client = openai.OpenAI(base_url=agent_apps["agent"] + "/v1", api_key="sekret", max_retries=0, timeout=120)
+    with pytest.raises(openai.BadRequestError, match="'max_tokens' must be in"):
+        client.chat.completions.create(model="tiny", messages=_user(), max_tokens=10_000)
+    with pytest.raises(openai.BadRequestError, match="messages\\[0\\].role"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "robot", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="serve.max_prompt_tokens"):
+        client.chat.completions.create(model="tiny", messages=_user("1 2 3 " * 400), max_tokens=8)
+    headers = {"Authorization": "Bearer sekret"}
+    url = agent_apps["agent"] + "/v1/chat/completions"
+    r = requests.post(url, json={"model": "tiny"}, headers=headers, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["message"] == "'messages' is required"
+    r = requests.post(url, data=b"{not json", headers=headers, timeout=60)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    resp = client.chat.completions.create(model="tiny", messages=_user(), max_tokens=8)
+    assert resp.choices[0].message.role == "assistant"
+
+
+def test_wrong_or_missing_key_gets_401(agent_apps):
+    import openai
+    import requests
+
+    bad = openai.OpenAI(base_url=agent_apps["agent"] + "/v1", api_key="wrong", max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model="tiny", messages=_user(), max_tokens=8)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    r = requests.post(agent_apps["agent"] + "/v1/chat/completions", json={"messages": _user()}, timeout=60)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert requests.get(agent_apps["agent"] + "/health", timeout=60).json()["status"] == "ok"
+
+
+def test_hostile_python_in_a_conversation_is_contained(agent_apps):
+    import openai
+
+    client = openai.OpenAI(base_url=agent_apps["scripted"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+    resp = client.chat.completions.create(model="scripted", messages=_user("Do something bad."), max_tokens=400)
+    msg = resp.choices[0].message
+    trace = msg.model_extra["tool_trace"]
+    assert [t["tool"] for t in trace] == ["python"] * 3, (trace, msg.model_extra["reasoning_content"])
+    assert "writing outside the working directory is not allowed" in trace[0]["output"]
+    assert "CPU time limit (1 s) exceeded" in trace[1]["output"] or "timed out after 1 s" in trace[1]["output"]
+    assert "os.system is not allowed" in trace[2]["output"]
+    assert msg.content == "\\boxed{survived}" and resp.choices[0].finish_reason == "stop"
+    assert not Path("/etc/rapo_pwned").exists() and not Path("/tmp/rapo_pwned_shell").exists()
+    again = client.chat.completions.create(model="scripted", messages=_user("Again."), max_tokens=400, extra_body={"max_tool_calls": 0})
+    assert again.model_extra["agent"]["finish_reason"] == "tool_limit"  # the limit is enforced per request
+
+
+def test_new_checkpoint_rolls_out_without_errors(agent_apps, tiny_cfg, tiny_model_dir, tmp_path):
+    """Redeploying with another checkpoint under client load: every request succeeds, then the new one serves."""
+    import shutil
+
+    import openai
+    from ray import serve
+
+    from rapo_ray.serving.app import build_agent_app
+
+    new_ckpt = tmp_path / "v2"
+    shutil.copytree(tiny_model_dir, new_ckpt)
+    cfg = replace(tiny_cfg, serve=replace(tiny_cfg.serve, model_name="agent", engine_factory="rapo_ray.engines.scripted:scripted_engine",
+                                          engine_kwargs={"steps": ["<think>x</think><answer>\\boxed{1}</answer>"]}))
+    serve.run(build_agent_app(cfg, tiny_model_dir), name="rolling_test", route_prefix="/rolling")
+    client = openai.OpenAI(base_url=agent_apps["agent"].replace("/agent", "/rolling") + "/v1", api_key="x", max_retries=0, timeout=120)
+    old_root = client.models.list().data[0].model_extra["root"]
+    stop, ok, errors = threading.Event(), [], []
+
+    def hammer():
+        while not stop.is_set():
+            try:
+                resp = client.chat.completions.create(model="agent", messages=_user(), max_tokens=16)
+                ok.append(Path(resp.model_extra["agent"]["checkpoint"]).name)
+            except Exception as exc:  # noqa: BLE001 - any failure is the finding
+                errors.append(repr(exc))
+
+    threads = [threading.Thread(target=hammer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.0)
+        serve.run(build_agent_app(cfg, new_ckpt), name="rolling_test", route_prefix="/rolling")
+        deadline = time.time() + 60
+        while time.time() < deadline and client.models.list().data[0].model_extra["root"] == old_root:
+            time.sleep(0.2)
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        serve.delete("rolling_test")
+    assert errors == []
+    assert old_root == str(Path(tiny_model_dir).resolve()) and ok[0] == Path(tiny_model_dir).name and ok[-1] == "v2" and len(ok) > 10
