@@ -47,7 +47,8 @@ class RolloutWorker:
         self._collective: str | None = None
 
     def ready(self) -> dict:
-        return {"worker_id": self.worker_id, "engine": self.engine.name, "version": self.engine.version}
+        return {"worker_id": self.worker_id, "engine": self.engine.name, "version": self.engine.version,
+                "node_id": ray.get_runtime_context().get_node_id()}
 
     def rollout(self, groups: list[tuple], group_size: int, n_hybrid: int, seed: int, evaluation: bool = False) -> dict:
         """``groups``: (group_id, Task) pairs. Returns trajectory rows and timing stats."""
@@ -111,11 +112,11 @@ class RolloutFleet:
         self.cfg_dict = to_dict(cfg)
         rc = cfg.resources
         self.actor_cls = ray.remote(num_cpus=rc.cpus_per_rollout_worker, num_gpus=rc.gpus_per_rollout_worker,
-                                    resources=dict(rc.custom_resources) or None, max_restarts=0, max_concurrency=1)(RolloutWorker)
+                                    resources=dict(rc.rollout_custom_resources) or None, max_restarts=0, max_concurrency=1)(RolloutWorker)
         self.workers: dict[int, ray.actor.ActorHandle] = {}
         self._next_id = 0
         self.events: list[FleetEvent] = []
-        self.start_timeout_s = 600.0
+        self.start_timeout_s = cfg.resources.placement_timeout_s
         self.weights_source = weights_source  # callable () -> (state_dict or None, version) for new workers
         self.scale(cfg.rollout.num_workers)
 
