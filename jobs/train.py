@@ -1,6 +1,6 @@
 """Train an agent with RAPO (default), GRPO or ARPO.
 
-    python jobs/train.py [--config FILE] [section.key=value ...]
+    python jobs/train.py [--config FILE] [--dry-run] [section.key=value ...]
     ray job submit --working-dir . -- python jobs/train.py [...]
 """
 
@@ -18,7 +18,13 @@ from _cli import parse  # noqa: E402
 
 
 def main(argv=None) -> int:
-    cfg, args = parse(__doc__, argv)
+    cfg, args = parse(__doc__, argv, extra=lambda p: p.add_argument(
+        "--dry-run", action="store_true", help="resolve the config, print the resource plan and exit (no Ray, no model)"))
+    if args.dry_run:
+        from rapo_ray.plan import resource_plan
+
+        print(resource_plan(cfg))
+        return 0
     from rapo_ray.trainer import run
 
     run(cfg)

@@ -55,6 +55,8 @@ class TasksConfig:
     test_size: int = _f(200, "Generated held-out problems per family (disjoint from training).")
     seed: int = _f(1234, "Seed of the task generators.")
     data_files: list = _f([], "Real data files to add (toolstar parquet, eval jsonl); see rapo_ray.envs.loaders.")
+    eval_files: list = _f([], "Held-out evaluation data files (each its own family in held-out evaluation), e.g. ../shared/data/eval/*/test.jsonl.")
+    eval_limit: int = _f(0, "Examples per evaluation file (0: all).")
     skip_bad_rows: bool = _f(False, "Skip and count malformed data rows instead of raising.")
     system_prompt: str = _f("auto", "System prompt: auto (short for the bundled model, the paper's for HF checkpoints), paper, short, or the text itself.")
 
@@ -65,6 +67,8 @@ class RolloutConfig:
     num_workers: int = _f(2, "Rollout worker actors at start.")
     min_workers: int = _f(1, "Lower bound for fleet autoscaling.")
     max_workers: int = _f(4, "Upper bound for fleet autoscaling.")
+    autoscale: bool = _f(False, "Resize the fleet every step to the backlog (one worker per rollout.groups_per_worker groups, within [min_workers, max_workers]); on a cluster, pending workers make the Ray autoscaler add nodes.")
+    groups_per_worker: int = _f(2, "Backlog groups per rollout worker when rollout.autoscale is on.")
     temperature: float = _f(1.0, "Sampling temperature during training rollouts.")
     top_p: float = _f(1.0, "Nucleus sampling threshold.")
     max_response_tokens: int = _f(256, "Budget of response tokens per trajectory (generated + tool results + retrieved).")
@@ -165,7 +169,9 @@ class ResourcesConfig:
     gpus_per_rollout_worker: float = _f(0.0, "GPUs per rollout worker actor.")
     cpus_per_learner: float = _f(1.0, "CPUs per learner actor.")
     gpus_per_learner: float = _f(0.0, "GPUs per learner actor.")
-    custom_resources: dict = _f({}, "Extra custom resources requested by every worker, e.g. {rollout_node: 1}.")
+    rollout_custom_resources: dict = _f({}, "Custom resources each rollout worker requests, e.g. {rollout_node: 1} to pin it to a node type (cluster/*.yaml).")
+    learner_custom_resources: dict = _f({}, "Custom resources each learner requests (its placement-group bundle), e.g. {learner_node: 1}.")
+    placement_timeout_s: float = _f(120.0, "How long to wait for learners and rollout workers to be placed; on an autoscaling cloud cluster, allow for node boot (e.g. 900).")
 
 
 @dataclass
@@ -181,6 +187,7 @@ class TrainerConfig:
     sft_steps: int = _f(900, "Warm-start optimiser steps.")
     sft_lr: float = _f(3e-3, "Warm-start peak learning rate (cosine decay, 50 warm-up steps).")
     sft_batch_size: int = _f(32, "Warm-start sequences per step.")
+    max_failures: int = _f(3, "Times a run rebuilds its learners and fleet from the last checkpoint after losing a learner (node loss) before giving up.")
     sft_hybrid_fraction: float = _f(0.3, "Share of warm-start demos that contain a loss-masked <retrieve> block from another question.")
 
 
@@ -201,6 +208,38 @@ class CheckpointConfig:
 
 
 @dataclass
+class ServeConfig:
+    host: str = _f("127.0.0.1", "HTTP host of the serving app (0.0.0.0 to accept remote clients).")
+    port: int = _f(8000, "HTTP port of the serving app.")
+    route_prefix: str = _f("/", "Route prefix; the OpenAI routes live under it (/v1/chat/completions).")
+    app_name: str = _f("rapo_agent", "Serve application name.")
+    model_name: str = _f("", "Model id reported by /v1/models and expected in requests. Empty: the run's name for a trainer checkpoint, else the folder's name.")
+    engine: str = _f("auto", "Inference backend: auto (vLLM on a GPU, the torch engine on CPU), vllm, torch.", ("auto", "vllm", "torch"))
+    engine_factory: str = _f("", "Custom engine: 'module:function' called as f(model_dir, tokenizer, **engine_kwargs) -> InferenceEngine.")
+    engine_kwargs: dict = _f({}, "Keyword arguments for serve.engine_factory.")
+    min_replicas: int = _f(1, "Autoscaling lower bound.")
+    max_replicas: int = _f(1, "Autoscaling upper bound.")
+    target_ongoing_requests: int = _f(16, "Autoscaling target of in-flight requests per replica.")
+    max_ongoing_requests: int = _f(64, "Requests one replica accepts at once (each runs its tool loop in a thread).")
+    num_cpus: float = _f(1.0, "CPUs per replica.")
+    num_gpus: float = _f(0.0, "GPUs per replica.")
+    batch_wait_ms: float = _f(2.0, "How long the engine batcher waits for more concurrent conversations' steps before generating.")
+    max_batch_size: int = _f(64, "Most prompts in one engine call.")
+    api_key: str = _f("", "Bearer token clients must send. Empty: read the variable named by serve.api_key_env; both empty: no auth.")
+    api_key_env: str = _f("RAPO_API_KEY", "Environment variable holding the bearer token.")
+    max_request_chars: int = _f(32000, "Limit on the total characters of a request's messages.")
+    max_prompt_tokens: int = _f(768, "Limit on the prompt's tokens after the chat frame.")
+    max_tokens: int = _f(512, "Limit on a request's max_tokens (the response budget: generated + tool results).")
+    default_max_tokens: int = _f(256, "Response budget when a request gives no max_tokens.")
+    max_step_tokens: int = _f(128, "Max new tokens per step before a tool tag or answer.")
+    max_tool_calls: int = _f(3, "Limit on tool calls per conversation (a request may ask for fewer).")
+    tool_concurrency: int = _f(4, "Tool calls one replica runs at once.")
+    search_backend: str = _f("lexical", "Search tool corpus index: lexical (in-memory TF-IDF) or milvus (dense, over serve.search_milvus_uri).", ("lexical", "milvus"))
+    search_milvus_uri: str = _f("", "Milvus URI of the search corpus collection (search_backend=milvus). Empty: embedded milvus-lite file under run.artifacts_dir.")
+    search_collection: str = _f("search_corpus", "Collection holding the search tool's documents.")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "Model."})
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig, metadata={"help": "Tokenizer."})
@@ -214,6 +253,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig, metadata={"help": "Training loop."})
     run: RunConfig = field(default_factory=RunConfig, metadata={"help": "Run directory and logging."})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"help": "Checkpoints."})
+    serve: ServeConfig = field(default_factory=ServeConfig, metadata={"help": "Serving the trained agent (jobs/serve.py)."})
 
     def validate(self) -> "Config":
         """Cross-field checks; raise ConfigError naming the field."""
@@ -234,12 +274,16 @@ class Config:
             (r.min_workers <= r.num_workers <= r.max_workers, f"rollout.num_workers ({r.num_workers}) must be in [min_workers, max_workers]"),
             (r.temperature >= 0 and 0 < r.top_p <= 1, "rollout.temperature must be >= 0 and rollout.top_p in (0, 1]"),
             (0 < r.max_step_tokens <= r.max_response_tokens, f"rollout.max_step_tokens ({r.max_step_tokens}) must be in (0, rollout.max_response_tokens={r.max_response_tokens}]"),
-            (r.max_response_tokens < m.max_position_embeddings, f"rollout.max_response_tokens ({r.max_response_tokens}) must be < model.max_position_embeddings ({m.max_position_embeddings})"),
+            (bool(m.path) or r.max_response_tokens < m.max_position_embeddings,  # an HF model's own context is checked at load
+             f"rollout.max_response_tokens ({r.max_response_tokens}) must be < model.max_position_embeddings ({m.max_position_embeddings})"),
             (l.world_size >= 1, f"learner.world_size ({l.world_size}) must be >= 1"),
             (l.mini_batch_size >= 1 and l.ppo_epochs >= 1, "learner.mini_batch_size and learner.ppo_epochs must be >= 1"),
             (l.lr > 0, f"learner.lr ({l.lr}) must be > 0"),
             (0.0 <= self.retrieval.noise_prob <= 1.0, "retrieval.noise_prob must be in [0, 1]"),
             (1 <= self.retrieval.buffer_keep_top_k <= self.retrieval.buffer_samples_per_question, "retrieval.buffer_keep_top_k must be in [1, buffer_samples_per_question]"),
+            (1 <= self.serve.min_replicas <= self.serve.max_replicas, f"serve.min_replicas ({self.serve.min_replicas}) must be in [1, serve.max_replicas={self.serve.max_replicas}]"),
+            (0 < self.serve.default_max_tokens <= self.serve.max_tokens, f"serve.default_max_tokens ({self.serve.default_max_tokens}) must be in (0, serve.max_tokens={self.serve.max_tokens}]"),
+            (0 < self.serve.max_step_tokens and self.serve.max_tool_calls >= 0, "serve.max_step_tokens must be > 0 and serve.max_tool_calls >= 0"),
             (self.trainer.total_steps >= 0 and self.trainer.prompts_per_step >= 1, "trainer.total_steps >= 0 and trainer.prompts_per_step >= 1"),
             (self.tasks.train_size >= 2 * (self.trainer.sft_examples + self.trainer.sft_hard_examples) + self.trainer.rl_questions,
              f"tasks.train_size ({self.tasks.train_size}) must be >= 2 x (trainer.sft_examples + trainer.sft_hard_examples) + "
@@ -399,7 +443,7 @@ def diff_configs(a: Config, b: Config, ignore: tuple = ()) -> list[str]:
     def flat(d, prefix=""):
         out = {}
         for k, v in d.items():
-            if isinstance(v, dict) and k not in ("custom_resources",):
+            if isinstance(v, dict) and not k.endswith("custom_resources"):
                 out.update(flat(v, f"{prefix}{k}."))
             else:
                 out[f"{prefix}{k}"] = v

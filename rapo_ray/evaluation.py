@@ -20,6 +20,19 @@ class FamilyResult:
         return self.__dict__.copy()
 
 
+def results_from_rows(rows: list[dict]) -> FamilyResult:
+    """One dataset's result from trajectory rows (``Trajectory.to_row``), one row per example and sample."""
+    n = max(len(rows), 1)
+    return FamilyResult(
+        n=len({r["problem_id"] for r in rows}),
+        accuracy=sum(float(r["correct"]) for r in rows) / n,
+        f1=sum(float(r["f1"]) for r in rows) / n,
+        format_valid=sum(float(r["format_ok"]) for r in rows) / n,
+        mean_tool_calls=sum(r["tool_calls"] for r in rows) / n,
+        mean_response_tokens=sum(len(r["response_ids"]) for r in rows) / n,
+    )
+
+
 def evaluate(engine, tokenizer, tools, tasks_by_family: dict[str, list[Task]], cfg, limit: int | None = None,
              temperature: float = 0.0, samples: int = 1, seed: int = 0) -> dict[str, FamilyResult]:
     """Greedy (default) or sampled pass@1 on each family. ``samples`` > 1 averages over samples per task."""

@@ -201,3 +201,20 @@ def resolve_model_dir(cfg) -> Path:
             raise ModelLoadError(f"model.path={p} is not an HF model folder (no config.json)")
         return p
     return ensure_bundled_model(cfg)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """An HF model folder; a trainer checkpoint (``step-N`` with its COMPLETE marker); a run directory (its
+    latest complete checkpoint); or a folder of run directories (the newest complete checkpoint in any)."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ModelLoadError(f"checkpoint {p}: no such directory")
+    if (p / "config.json").is_file():
+        if p.name.startswith("step-") and not (p / "COMPLETE").is_file():
+            raise ModelLoadError(f"checkpoint {p} is incomplete (no COMPLETE marker: the run stopped while writing it)")
+        return p
+    runs = [p] if (p / "checkpoints").is_dir() else [d for d in p.iterdir() if (d / "checkpoints").is_dir()]
+    done = [c for r in runs for c in (r / "checkpoints").glob("step-*") if (c / "COMPLETE").is_file() and (c / "config.json").is_file()]
+    if not done:
+        raise ModelLoadError(f"checkpoint {p}: not an HF model folder, and no complete checkpoint (checkpoints/step-*/COMPLETE) under it")
+    return max(done, key=lambda c: ((c / "COMPLETE").stat().st_mtime, c.name))

@@ -35,6 +35,7 @@ def init_ray(cfg: Config) -> bool:
     address = cfg.resources.ray_address or os.environ.get("RAY_ADDRESS", "")
     env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}}
     if address:
+        _enable_token_auth_if_available()
         ray.init(address=address, runtime_env=env, log_to_driver=True)
         return False
     # A local Ray may oversubscribe logical CPUs: every actor runs one torch thread and the learners and
@@ -48,6 +49,16 @@ def init_ray(cfg: Config) -> bool:
     ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), object_store_memory=cfg.resources.object_store_mb << 20, include_dashboard=False,
              _node_ip_address="127.0.0.1", runtime_env=env, log_to_driver=True)
     return True
+
+
+def _enable_token_auth_if_available() -> None:
+    """Ray 2.60 turns token auth on for clusters started on this machine (`ray start --head`), but a driver that
+    connects by address only sends the token when RAY_AUTH_MODE=token. Use the token when one exists."""
+    if os.environ.get("RAY_AUTH_MODE"):
+        return  # explicit choice
+    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def check_resources(cfg: Config) -> None:
@@ -64,6 +75,12 @@ def check_resources(cfg: Config) -> None:
         raise ConfigError(f"resources: learner.world_size={cfg.learner.world_size} x resources.cpus_per_learner="
                           f"{rc.cpus_per_learner:g} + rollout.min_workers={cfg.rollout.min_workers} x resources.cpus_per_rollout_worker="
                           f"{rc.cpus_per_rollout_worker:g} = {need_cpu:g} CPUs, but the cluster has {cpus:g}")
+
+
+def _serve_running() -> bool:
+    from ray.serve.context import _get_global_client
+
+    return _get_global_client(raise_if_no_controller_running=False) is not None
 
 
 def _autoscaling_cluster() -> bool:
@@ -100,7 +117,7 @@ def make_run_dir(cfg: Config) -> RunDir:
             raise ConfigError(f"checkpoint.resume={p}: not a run directory or a checkpoint inside one")
         old = _load_saved_config(root / "config.yaml")
         diff = diff_configs(old, cfg, ignore=("checkpoint.", "trainer.total_steps", "run.", "rollout.num_workers",
-                                              "rollout.engine", "resources."))
+                                              "rollout.engine", "resources.", "serve."))
         if diff:
             raise ConfigError(f"cannot resume {root}: config differs in {diff}")
         return RunDir(root)
@@ -120,6 +137,23 @@ def _load_saved_config(path: Path) -> Config:
 
 
 # ---------------------------------------------------------------- the trainer
+
+
+class LearnerLost(RuntimeError):
+    """A learner actor died (its node went away): the step cannot finish; rebuild from the last checkpoint."""
+
+
+def _gather(refs: list) -> list:
+    """ray.get for learner calls that fails fast: the surviving ranks of a group that lost one would wait in a
+    collective, so the first dead rank ends the wait."""
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        try:
+            ray.get(ready[0])
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+            raise LearnerLost(f"a learner died: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+    return ray.get(list(refs))
 
 
 class Trainer:
@@ -145,17 +179,22 @@ class Trainer:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        bundle = {"CPU": rc.cpus_per_learner} | ({"GPU": rc.gpus_per_learner} if rc.gpus_per_learner else {})
+        bundle = {"CPU": rc.cpus_per_learner} | ({"GPU": rc.gpus_per_learner} if rc.gpus_per_learner else {}) | dict(rc.learner_custom_resources)
         self.pg = placement_group([bundle] * lc.world_size, strategy="PACK")
-        ready, _ = ray.wait([self.pg.ready()], timeout=120)
+        ready, _ = ray.wait([self.pg.ready()], timeout=rc.placement_timeout_s)
         if not ready:
-            raise RuntimeError(f"the learner placement group ({lc.world_size} x {bundle}) could not be scheduled within 120 s")
-        actor = ray.remote(num_cpus=rc.cpus_per_learner, num_gpus=rc.gpus_per_learner)(LearnerWorker)
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.pg)
+            raise RuntimeError(f"the learner placement group ({lc.world_size} x {bundle}) could not be scheduled within "
+                               f"{rc.placement_timeout_s:g} s (resources.placement_timeout_s)")
+        actor = ray.remote(num_cpus=rc.cpus_per_learner, num_gpus=rc.gpus_per_learner,
+                           resources=dict(rc.learner_custom_resources) or None)(LearnerWorker)
         port = _free_port()
         cfg_dict = to_dict(cfg)
         self.learners = [actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r))
                          .remote(r, lc.world_size, port, str(model_dir), cfg_dict, lc.backend) for r in range(lc.world_size)]
-        ray.get([l.ready.remote() for l in self.learners])
+        _gather([l.ready.remote() for l in self.learners])
         self.sync = WeightSync(cfg.sync.bucket_mb)
         self._latest_weights: dict | None = None
         self.fleet = RolloutFleet(model_dir, cfg, retrieval_app, weights_source=lambda: (self._latest_weights, self.version))
@@ -170,7 +209,9 @@ class Trainer:
         # 1. sample prompts (one group per prompt)
         groups = self._sample_groups(cfg.trainer.prompts_per_step)
         n_hybrid = a.n_hybrid if a.name == "rapo" else 0
-        # 2. rollout on the fleet
+        # 2. rollout on the fleet (resized to the backlog first when autoscaling is on)
+        if cfg.rollout.autoscale:
+            self.fleet.autoscale(len(groups), cfg.rollout.groups_per_worker)
         t0 = time.perf_counter()
         rows, rstats = self.fleet.run_step(groups, a.group_size, n_hybrid, seed=cfg.trainer.seed * 7919 + self.step_idx)
         rollout_s = time.perf_counter() - t0
@@ -179,7 +220,7 @@ class Trainer:
         t0 = time.perf_counter()
         lrows = [self._learner_row(r) for r in rows]
         per_rank = split_for_ranks(lrows, len(self.learners), micro=max(1, cfg.learner.mini_batch_size // len(self.learners)))
-        old = ray.get([l.forward_old.remote(mb) for l, mb in zip(self.learners, per_rank)])
+        old = _gather([l.forward_old.remote(mb) for l, mb in zip(self.learners, per_rank)])
         self._attach_old(lrows, old, len(self.learners))
         old_s = time.perf_counter() - t0
         # 4. advantages (GRPO outcome advantage; RAPO adds the retrieval advantage and shaping)
@@ -301,13 +342,13 @@ class Trainer:
                 split = split_for_ranks(mini, world, micro=max(1, math_ceil(len(mini), world)))
                 for rank in range(world):
                     per_rank[rank].append((split[rank], denom))
-            stats = ray.get([l.update.remote(per_rank[r]) for r, l in enumerate(self.learners)])
+            stats = _gather([l.update.remote(per_rank[r]) for r, l in enumerate(self.learners)])
             for k in stats[0]:
                 out[k] = sum(s[k] for s in stats) / world if k != "loss_sum" else sum(s[k] for s in stats)
         return out
 
     def _push_weights(self):
-        sds = ray.get([l.full_state_dict.remote() for l in self.learners])
+        sds = _gather([l.full_state_dict.remote() for l in self.learners])
         self._latest_weights = sds[0]
         self.sync.push(sds[0], self.version, self.fleet.handles())
 
@@ -359,7 +400,7 @@ class Trainer:
         tmp = ck / f".tmp-step-{self.step_idx:06d}"
         if tmp.exists():
             shutil.rmtree(tmp)
-        ray.get([l.save_checkpoint.remote(str(tmp), str(self.model_dir)) for l in self.learners])
+        _gather([l.save_checkpoint.remote(str(tmp), str(self.model_dir)) for l in self.learners])
         state = {"step": self.step_idx, "version": self.version, "rng": self.rng.getstate(), "workers": len(self.fleet.workers),
                  "torch_rng": torch.get_rng_state().tolist()}
         (tmp / "trainer_state.json").write_text(json.dumps(state, default=list))
@@ -373,7 +414,7 @@ class Trainer:
         return final
 
     def load_checkpoint(self, path: Path):
-        ray.get([l.load_checkpoint.remote(str(path)) for l in self.learners])
+        _gather([l.load_checkpoint.remote(str(path)) for l in self.learners])
         state = json.loads((path / "trainer_state.json").read_text())
         self.step_idx, self.version = state["step"], state["version"]
         rs = state["rng"]
@@ -382,14 +423,17 @@ class Trainer:
         self._push_weights()
         self.fleet.scale(state["workers"])
 
-    def shutdown(self):
+    def shutdown(self, graceful: bool = True):
+        """Stop the fleet, the weight hub and the learners. ``graceful=False`` after a learner died: the surviving
+        ranks may be blocked in a collective, so they are killed without asking."""
         self.fleet.shutdown()
         ray.kill(self.sync.hub)
         for l in self.learners:
-            try:
-                ray.get(l.shutdown.remote(), timeout=30)
-            except Exception:
-                pass
+            if graceful:
+                try:
+                    ray.get(l.shutdown.remote(), timeout=30)
+                except Exception:
+                    pass
             ray.kill(l)
         from ray.util.placement_group import remove_placement_group
 
@@ -440,7 +484,7 @@ def run(cfg: Config, log=print) -> dict:
     check_resources(cfg)
     run_dir = make_run_dir(cfg)
     log(f"run directory: {run_dir.path}")
-    server = trainer = None
+    server = trainer = retrieval_app = None
     serve_started = False
     try:
         # 1. starting policy: the given HF folder, or the bundled model's warm start (built once)
@@ -454,7 +498,6 @@ def run(cfg: Config, log=print) -> dict:
             model_dir = warm_start(cfg, log=log)
         log(f"starting policy: {model_dir}")
         # 2. RAPO: step-trace buffer in Milvus behind a Ray Serve deployment
-        retrieval_app = None
         if cfg.algo.name == "rapo" and cfg.algo.n_hybrid > 0:
             from ray import serve
 
@@ -471,10 +514,11 @@ def run(cfg: Config, log=print) -> dict:
             manifest.parent.mkdir(parents=True, exist_ok=True)
             report = build_buffer(cfg, str(model_dir), uri, [t for ts in pool.values() for t in ts], manifest, log=log)
             log(report.table())
-            serve.start(http_options={"host": "127.0.0.1", "port": _free_port()})
-            serve_started = True
-            serve.run(build_app(cfg.retrieval, uri), name="retrieval", route_prefix="/retrieve")
+            serve_started = not _serve_running()  # a Serve someone else started (a cluster's, a test's) stays up
+            if serve_started:
+                serve.start(http_options={"host": "127.0.0.1", "port": _free_port()})
             retrieval_app = "retrieval"
+            serve.run(build_app(cfg.retrieval, uri), name=retrieval_app, route_prefix="/retrieve")
         # 3. learners, fleet, weight hub
         trainer = Trainer(cfg, model_dir, run_dir, retrieval_app, log=log)
         resume = run_dir.latest_checkpoint() if cfg.checkpoint.resume else None
@@ -487,23 +531,42 @@ def run(cfg: Config, log=print) -> dict:
             before = trainer.evaluate()
             (run_dir.path / "eval_before.json").write_text(json.dumps(before, indent=1))
             log("held-out before training: " + _fmt_eval(before))
-        # 4. train
+        # 4. train; a lost learner (node loss) rebuilds the learners and fleet from the last checkpoint
+        failures = 0
         bar = _progress(cfg, trainer.step_idx)
         while trainer.step_idx < cfg.trainer.total_steps:
-            m = trainer.step()
-            if cfg.trainer.eval_every and trainer.step_idx % cfg.trainer.eval_every == 0 and trainer.step_idx < cfg.trainer.total_steps:
-                ev = trainer.evaluate()
-                trainer._log({"step": trainer.step_idx, **ev})
-                m.update(ev)
-            if cfg.checkpoint.every and trainer.step_idx % cfg.checkpoint.every == 0:
-                trainer.save_checkpoint()
+            try:
+                m = trainer.step()
+                if cfg.trainer.eval_every and trainer.step_idx % cfg.trainer.eval_every == 0 and trainer.step_idx < cfg.trainer.total_steps:
+                    ev = trainer.evaluate()
+                    trainer._log({"step": trainer.step_idx, **ev})
+                    m.update(ev)
+                if cfg.checkpoint.every and trainer.step_idx % cfg.checkpoint.every == 0:
+                    trainer.save_checkpoint()
+            except LearnerLost as exc:
+                failures += 1
+                latest = run_dir.latest_checkpoint()
+                log(f"step {trainer.step_idx + 1} stopped: {exc}; failure {failures}/{cfg.trainer.max_failures}")
+                trainer.shutdown(graceful=False)
+                trainer = None
+                if failures > cfg.trainer.max_failures:
+                    raise RuntimeError(f"{exc}; gave up after {cfg.trainer.max_failures} rebuilds (trainer.max_failures). The last "
+                                       f"checkpoint is {latest}; continue with checkpoint.resume={run_dir.path}") from None
+                trainer = Trainer(cfg, model_dir, run_dir, retrieval_app, log=log)  # waits for resources to return
+                if latest is not None:
+                    trainer.load_checkpoint(latest)
+                else:
+                    trainer._push_weights()
+                log(f"rebuilt the learners and fleet; resumed at step {trainer.step_idx} from {latest or 'the starting policy'}")
+                continue
             _progress_update(bar, m, log)
         if bar is not None:
             bar.close()
         after = trainer.evaluate()
         trainer._log({"step": trainer.step_idx, **after})
         ck = trainer.save_checkpoint()
-        summary = {"run_dir": str(run_dir.path), "checkpoint": str(ck), "steps": trainer.step_idx, "before": before, "after": after,
+        summary = {"run_dir": str(run_dir.path), "checkpoint": str(ck), "steps": trainer.step_idx, "learner_failures": failures,
+                   "before": before, "after": after,
                    "mean_step_s": _mean(m["step_s"] for m in trainer.history if "step_s" in m)}
         (run_dir.path / "summary.json").write_text(json.dumps(summary, indent=1))
         _plot(run_dir.path, trainer.history)
@@ -517,6 +580,10 @@ def run(cfg: Config, log=print) -> dict:
             from ray import serve
 
             serve.shutdown()
+        elif retrieval_app is not None:
+            from ray import serve
+
+            serve.delete(retrieval_app)
         if server is not None:
             server.stop()
         if started_ray:

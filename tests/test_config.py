@@ -26,9 +26,9 @@ def test_round_trip_yaml(tmp_path):
 
 
 def test_overrides_types():
-    cfg = load_config(overrides=["learner.lr=3e-4", "algo.dual_clip=3", "run.tensorboard=false", "resources.custom_resources={a: 1}"])
+    cfg = load_config(overrides=["learner.lr=3e-4", "algo.dual_clip=3", "run.tensorboard=false", "resources.rollout_custom_resources={a: 1}"])
     assert cfg.learner.lr == 3e-4 and isinstance(cfg.algo.dual_clip, float) and cfg.run.tensorboard is False
-    assert cfg.resources.custom_resources == {"a": 1}
+    assert cfg.resources.rollout_custom_resources == {"a": 1}
 
 
 def test_unknown_key_lists_valid_keys(tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rapo_ray.agent.loop import Task
 from rapo_ray.envs import tasks as bundled
 from rapo_ray.envs.tools import LexicalIndex, PythonSandbox, SandboxLimits, SearchTool, ToolSet
@@ -33,6 +35,10 @@ def task_splits(tasks_cfg, difficulty: dict | None = None) -> tuple[dict[str, li
         examples, _ = load_examples(path, skip_bad_rows=tasks_cfg.skip_bad_rows)
         name = examples[0].source if examples else path
         train[name] = [to_task(e) for e in examples]
+    for path in tasks_cfg.eval_files:
+        examples, _ = load_examples(path, skip_bad_rows=tasks_cfg.skip_bad_rows, limit=tasks_cfg.eval_limit or None)
+        name = Path(path).parent.name if Path(path).name == "test.jsonl" else Path(path).stem
+        test[name] = [to_task(e) for e in examples]
     return train, test
 
 

@@ -1,0 +1,139 @@
+"""GRPO vs ARPO vs RAPO (and RAPO's two main ablations) under one compute budget, several seeds each.
+
+    python benchmarks/compare_algorithms.py [--steps 10] [--prompts 4] [--seeds 0,1,2] [--artifacts artifacts]
+
+Every run is `jobs/train.py` with the same model, warm start, buffer, data, steps, prompts per step and
+rollouts per prompt (G=16); only the algorithm differs. Runs already finished (summary.json present) are
+reused, so an interrupted comparison continues where it stopped. Writes benchmarks/results/compare.json,
+docs/compare_curves.png and prints the markdown tables that docs/RESULTS.md holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+METHODS = {
+    "grpo": ["algo.name=grpo", "algo.n_hybrid=0"],
+    "arpo": ["algo.name=arpo", "algo.n_hybrid=0", "algo.arpo_initial_rollouts=8"],
+    "rapo": ["algo.name=rapo"],
+    "rapo w/o RR": ["algo.name=rapo", "algo.use_retrieval_reward=false"],
+    "rapo w/o RIS": ["algo.name=rapo", "algo.use_importance_shaping=false"],
+}
+STEP_KEYS = ("step_s", "rollout_s", "update_s", "rollout_tokens", "tool_calls", "retrievals")
+
+
+def run_one(method: str, seed: int, args, out: Path) -> dict:
+    name = f"{method.replace(' ', '_').replace('/', '')}-s{seed}"
+    run_dir = out / "runs" / name
+    if not (run_dir / "summary.json").is_file():
+        cmd = [sys.executable, str(REPO / "jobs" / "train.py"), *METHODS[method], f"trainer.seed={seed}",
+               f"trainer.total_steps={args.steps}", f"trainer.prompts_per_step={args.prompts}", "trainer.eval_every=0",
+               f"trainer.eval_size={args.eval_size}", "checkpoint.every=0", f"run.output_dir={out / 'runs'}", f"run.name={name}",
+               f"run.artifacts_dir={args.artifacts}", "run.progress=false", "run.tensorboard=false", *args.overrides]
+        if run_dir.exists():  # an interrupted run: start it again from scratch
+            import shutil
+
+            shutil.rmtree(run_dir)
+        t0 = time.perf_counter()
+        log = out / "logs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as f:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO).returncode
+        if rc != 0:
+            raise RuntimeError(f"{method} seed {seed} failed (exit {rc}); see {log}")
+        print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "reward" in m]
+    return {"method": method, "seed": seed, "before": summary["before"], "after": summary["after"],
+            "curve": [(m["step"], m["reward"]) for m in steps],
+            "per_step": {k: statistics.median(m[k] for m in steps) for k in STEP_KEYS if steps and k in steps[0]}}
+
+
+def _ms(xs) -> str:
+    return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
+
+
+def tables(results: list[dict]) -> str:
+    fams = sorted({k.split("/")[1] for r in results for k in r["after"] if k.endswith("/accuracy") and k != "eval/mean_accuracy"})
+    lines = ["| method | " + " | ".join(f"{f} acc" for f in fams) + " | mean acc | Δ mean vs before |",
+             "|---|" + "---|" * (len(fams) + 2)]
+    for method in METHODS:
+        rs = [r for r in results if r["method"] == method]
+        if not rs:
+            continue
+        cells = [_ms([r["after"][f"eval/{f}/accuracy"] for r in rs]) for f in fams]
+        mean = [r["after"]["eval/mean_accuracy"] for r in rs]
+        delta = [r["after"]["eval/mean_accuracy"] - r["before"]["eval/mean_accuracy"] for r in rs]
+        lines.append(f"| {method} | " + " | ".join(cells) + f" | {_ms(mean)} | {_ms(delta)} |")
+    lines += ["", "| method | step s | rollout s | update s | rollout tokens | tool calls | retrievals |", "|---|---|---|---|---|---|---|"]
+    for method in METHODS:
+        rs = [r for r in results if r["method"] == method]
+        if rs:
+            cell = [statistics.mean(r["per_step"].get(k, 0.0) for r in rs) for k in STEP_KEYS]
+            lines.append(f"| {method} | {cell[0]:.2f} | {cell[1]:.2f} | {cell[2]:.2f} | {cell[3]:.0f} | {cell[4]:.0f} | {cell[5]:.0f} |")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for method in METHODS:
+        rs = [r for r in results if r["method"] == method]
+        if not rs:
+            continue
+        steps = sorted({s for r in rs for s, _ in r["curve"]})
+        mean = [statistics.mean(v for r in rs for s2, v in r["curve"] if s2 == s) for s in steps]
+        ax.plot(steps, mean, label=f"{method} ({len(rs)} seeds)")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("mean training reward")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--eval-size", type=int, default=100)
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--artifacts", default=str(REPO / "artifacts"), help="shared warm start + buffer (built once)")
+    ap.add_argument("--out", default=str(REPO / "runs" / "compare"))
+    ap.add_argument("overrides", nargs="*", help="extra config overrides applied to every run")
+    args = ap.parse_args()
+    out = Path(args.out)
+    methods = [m.strip() for m in args.methods.split(",")]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"--methods: unknown {unknown}; valid: {list(METHODS)}")
+    results = []
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        for method in methods:
+            results.append(run_one(method, seed, args, out))
+    report = {"steps": args.steps, "prompts_per_step": args.prompts, "group_size": 16, "eval_size": args.eval_size,
+              "overrides": args.overrides, "runs": results}
+    dest = REPO / "benchmarks" / "results" / "compare.json"
+    dest.write_text(json.dumps(report, indent=1))
+    plot(results, REPO / "docs" / "compare_curves.png")
+    print(tables(results))
+    print(f"wrote {dest} and docs/compare_curves.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
