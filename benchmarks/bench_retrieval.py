@@ -107,6 +107,7 @@ def main() -> int:
                          for j in range(i, min(i + 2000, args.steps))]
                 store.upsert(chunk, keys[i:i + len(chunk)])
             report["insert_steps_per_s"] = args.steps / (time.perf_counter() - t)
+            store.flush()
             print(f"inserted {args.steps} steps: {report['insert_steps_per_s']:.0f} steps/s")
         hits = store.search(qv[:200], top_k=1)
         brute = np.argmax(qv[:200] @ keys.T, axis=1)

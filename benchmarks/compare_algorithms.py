@@ -30,7 +30,7 @@ METHODS = {
 STEP_KEYS = ("step_s", "rollout_s", "update_s", "rollout_tokens", "tool_calls", "retrievals")
 
 
-def run_one(method: str, seed: int, args, out: Path) -> dict:
+def run_one(method: str, seed: int, args, out: Path) -> dict | None:
     name = f"{method.replace(' ', '_').replace('/', '')}-s{seed}"
     run_dir = out / "runs" / name
     if not (run_dir / "summary.json").is_file():
@@ -48,7 +48,8 @@ def run_one(method: str, seed: int, args, out: Path) -> dict:
         with open(log, "w") as f:
             rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO).returncode
         if rc != 0:
-            raise RuntimeError(f"{method} seed {seed} failed (exit {rc}); see {log}")
+            print(f"{name}: FAILED (exit {rc}); see {log}", flush=True)
+            return None
         print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
     summary = json.loads((run_dir / "summary.json").read_text())
     metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -121,18 +122,19 @@ def main() -> int:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise SystemExit(f"--methods: unknown {unknown}; valid: {list(METHODS)}")
-    results = []
+    results, failed = [], []
     for seed in [int(s) for s in args.seeds.split(",")]:
         for method in methods:
-            results.append(run_one(method, seed, args, out))
+            r = run_one(method, seed, args, out)
+            (results.append(r) if r is not None else failed.append(f"{method} seed {seed}"))
     report = {"steps": args.steps, "prompts_per_step": args.prompts, "group_size": 16, "eval_size": args.eval_size,
-              "overrides": args.overrides, "runs": results}
+              "overrides": args.overrides, "failed": failed, "runs": results}
     dest = REPO / "benchmarks" / "results" / "compare.json"
     dest.write_text(json.dumps(report, indent=1))
     plot(results, REPO / "docs" / "compare_curves.png")
     print(tables(results))
-    print(f"wrote {dest} and docs/compare_curves.png")
-    return 0
+    print(f"wrote {dest} and docs/compare_curves.png" + (f"; FAILED runs: {failed}" if failed else ""))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

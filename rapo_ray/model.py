@@ -218,3 +218,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if not done:
         raise ModelLoadError(f"checkpoint {p}: not an HF model folder, and no complete checkpoint (checkpoints/step-*/COMPLETE) under it")
     return max(done, key=lambda c: ((c / "COMPLETE").stat().st_mtime, c.name))
+
+
+def context_length(model_dir: str | Path, default: int = 2048) -> int:
+    """The model's context window (``max_position_embeddings`` of its config.json)."""
+    data = json.loads((Path(model_dir) / "config.json").read_text())
+    return int(data.get("max_position_embeddings", default))

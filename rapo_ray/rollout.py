@@ -22,14 +22,14 @@ class RolloutWorker:
         from rapo_ray.config import from_dict
         from rapo_ray.engines import make_engine
         from rapo_ray.envs.suite import build_tools
-        from rapo_ray.model import load_tokenizer, set_torch_threads
+        from rapo_ray.model import context_length, load_tokenizer, set_torch_threads
 
         self.cfg = cfg = from_dict(cfg_dict)
         set_torch_threads(cfg.rollout.threads_per_worker)
         self.worker_id = worker_id
         self.tok = load_tokenizer(model_dir)
-        self.engine = make_engine(cfg.rollout, model_dir, dtype=cfg.model.dtype, max_model_len=cfg.model.max_position_embeddings,
-                                  seed=cfg.trainer.seed + worker_id)
+        max_context = context_length(model_dir)  # the checkpoint's own window (a real model's, not the bundled default)
+        self.engine = make_engine(cfg.rollout, model_dir, dtype=cfg.model.dtype, max_model_len=max_context, seed=cfg.trainer.seed + worker_id)
         self.tools = build_tools(cfg.tasks, cfg.rollout)
         retriever = None
         if retrieval_app:
@@ -42,6 +42,7 @@ class RolloutWorker:
                                             seed=cfg.trainer.seed + 1000 + worker_id, max_chars=cfg.retrieval.query_max_chars)
         self.train_settings = LoopSettings.from_config(cfg)
         self.eval_settings = LoopSettings.from_config(cfg, evaluation=True)
+        self.train_settings.max_context = self.eval_settings.max_context = max_context
         self.loop_cls = AgentLoop  # imported lazily above (actor-side imports)
         self.retriever = retriever
         self._collective: str | None = None

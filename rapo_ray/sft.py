@@ -69,6 +69,15 @@ def steps_of(tokenizer, traj: Trajectory, source: str = "expert") -> list[Stored
     return out
 
 
+def steps_of_row(tokenizer, row: dict, source: str = "on_policy") -> list[StoredStep]:
+    """``steps_of`` for a trajectory row (``Trajectory.to_row``), as the trainer holds them."""
+    traj = Trajectory(group_id=row["group_id"], slot=row["slot"], slot_kind=row["slot_kind"], problem_id=row["problem_id"],
+                      task_kind=row["task_kind"], answers=tuple(row["answers"]), prompt_ids=list(row["prompt_ids"]),
+                      question=row["question"], response_ids=list(row["response_ids"]),
+                      segments=[(g["kind"], g["start"], g["end"]) for g in row["segments"]], reward=row["reward"])
+    return steps_of(tokenizer, traj, source)
+
+
 def _batches(examples, batch_size, rng):
     idx = list(range(len(examples)))
     while True:
@@ -141,7 +150,7 @@ def sft_span(cfg) -> int:
 def warm_start_dir(cfg) -> Path:
     t = cfg.trainer
     key = json.dumps([str(resolve_model_dir(cfg)), t.sft_examples, t.sft_hard_examples, t.sft_steps, t.sft_lr, t.sft_batch_size, t.sft_hybrid_fraction,
-                      sorted(cfg.tasks.families), cfg.tasks.seed, cfg.tasks.system_prompt, t.seed, cfg.rollout.max_response_tokens])
+                      sorted(cfg.tasks.families), cfg.tasks.seed, cfg.tasks.system_prompt, t.sft_seed, cfg.rollout.max_response_tokens])
     return Path(cfg.run.artifacts_dir) / f"warm-start-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
 
 
@@ -162,14 +171,14 @@ def warm_start(cfg, log=print, force: bool = False) -> Path:
             used = {t.id for t in demos_tasks[fam]}
             pool_tasks[fam] = [t for t in tasks if t.id not in used][-200:]  # other questions: the retrieve-format pool
         pool = [t for ts in pool_tasks.values() for t in ts]
-        pool_steps = [s for tr in expert_trajectories(cfg, tok, tools, pool, seed=cfg.trainer.seed) for s in steps_of(tok, tr)]
+        pool_steps = [s for tr in expert_trajectories(cfg, tok, tools, pool, seed=cfg.trainer.sft_seed) for s in steps_of(tok, tr)]
         retriever = InMemoryStepRetriever(pool_steps, same_question=False)
         demos = expert_trajectories(cfg, tok, tools, [t for ts in demos_tasks.values() for t in ts],
-                                    hybrid_fraction=cfg.trainer.sft_hybrid_fraction, retriever=retriever, seed=cfg.trainer.seed)
+                                    hybrid_fraction=cfg.trainer.sft_hybrid_fraction, retriever=retriever, seed=cfg.trainer.sft_seed)
         examples = sft_examples(demos)
         log(f"warm start: {len(examples)} expert demonstrations ({sum(1 for d in demos if d.num_retrievals)} with retrieved blocks), "
             f"{cfg.trainer.sft_steps} steps")
-        train_sft(model, examples, cfg.trainer.sft_steps, lr=cfg.trainer.sft_lr, batch_size=cfg.trainer.sft_batch_size, seed=cfg.trainer.seed, log=log)
+        train_sft(model, examples, cfg.trainer.sft_steps, lr=cfg.trainer.sft_lr, batch_size=cfg.trainer.sft_batch_size, seed=cfg.trainer.sft_seed, log=log)
         save_model(model, tok, out)
     finally:
         tools.close()

@@ -164,6 +164,7 @@ class Trainer:
         from rapo_ray.sync import WeightSync
 
         self.cfg, self.model_dir, self.run_dir, self.log = cfg, Path(model_dir), run_dir, log
+        self.retrieval_app = retrieval_app
         self.tok = load_tokenizer(model_dir)
         self.train_tasks, self.test_tasks = rl_task_pool(cfg)
         self.step_idx, self.version = 0, 0
@@ -249,12 +250,14 @@ class Trainer:
             "tool_calls": sum(r["tool_calls"] for r in rows), "retrievals": sum(r["num_retrievals"] for r in rows),
             "retrieval_fallbacks": sum(r["retrieval_fallbacks"] for r in rows),
             "retrieved_token_fraction": _mean(r["retrieved_fraction"] for r in rows),
-            "entropy": adv_info["entropy"], "retrieval_reward": adv_info["z_ret_mean"],
+            "entropy": adv_info["entropy"], "retrieval_reward": adv_info["z_ret_mean"], "advantages_s": adv_info["advantages_s"],
             "requeued_groups": rstats["requeued_groups"], "workers": len(self.fleet.workers),
             **{f"update/{k}": v for k, v in upd.items()},
         }
         m["step_s"] = time.perf_counter() - t_step
         m["tokens_per_s"] = gen_tokens / max(rollout_s, 1e-9)
+        if cfg.retrieval.insert_on_policy and self.retrieval_app:
+            m["inserted_steps"] = self._insert_on_policy(rows)
         self._write_trajectories(rows)
         self._log(m)
         return m
@@ -289,38 +292,34 @@ class Trainer:
                 row.old_logprobs, row.entropies = logp, ent
 
     def _advantages(self, rows, lrows) -> dict:
-        from rapo_ray.algos import (RetrievalRewardSwitches, grpo_outcome_advantage, importance_shaping_factor,
-                                    rapo_advantage, retrieval_advantage, retrieved_token_fraction, step_entropies,
-                                    trajectory_retrieval_reward)
+        from rapo_ray.algos import group_advantages, step_entropies
 
         a = self.cfg.algo
-        rewards = torch.tensor([r["reward"] for r in rows], dtype=torch.float32)
-        gids = [r["group_id"] for r in rows]
-        adv = grpo_outcome_advantage(rewards, gids, norm_by_std=a.norm_adv_by_std)
-        z = torch.zeros(len(rows))
         ent_means = []
-        switches = RetrievalRewardSwitches(a.use_quality_term, a.use_timing_term, a.invert_delta, a.invert_timing)
-        for i, (r, lr) in enumerate(zip(rows, lrows)):
+        for r, lr in zip(rows, lrows):
             segs = [(s["kind"], s["start"], s["end"]) for s in r["segments"]]
-            h = step_entropies(torch.tensor(lr.entropies), segs)  # exact, from the learner's pass
-            r["step_entropies"] = h
-            if h:
-                ent_means.append(sum(h) / len(h))
-            if a.name == "rapo":
-                z[i] = trajectory_retrieval_reward(h, [(x["step_before"], x["step_after"]) for x in r["retrievals"]], switches)
-        shaping = torch.ones(len(rows))
-        if a.name == "rapo":
-            if a.use_retrieval_reward:
-                adv = rapo_advantage(adv, retrieval_advantage(z, gids), a.advantage_weight, a.clamp_rapo_factor)
-            if a.use_importance_shaping:
-                f = retrieved_token_fraction(torch.tensor([r["num_retrieved_tokens"] for r in rows]),
-                                             torch.tensor([len(r["response_ids"]) for r in rows]))
-                shaping = importance_shaping_factor(f, a.shaping_weight)
+            r["step_entropies"] = step_entropies(torch.tensor(lr.entropies), segs)  # exact, from the learner's pass
+            if r["step_entropies"]:
+                ent_means.append(sum(r["step_entropies"]) / len(r["step_entropies"]))
+        batch = {"row": list(range(len(rows))), "group_id": [r["group_id"] for r in rows], "reward": [float(r["reward"]) for r in rows],
+                 "step_entropies": [[float(h) for h in r["step_entropies"]] for r in rows],
+                 "retrieval_before": [[int(x["step_before"]) for x in r["retrievals"]] for r in rows],
+                 "retrieval_after": [[-1 if x["step_after"] is None else int(x["step_after"]) for x in r["retrievals"]] for r in rows],
+                 "num_retrieved_tokens": [int(r["num_retrieved_tokens"]) for r in rows],
+                 "num_response_tokens": [len(r["response_ids"]) for r in rows]}
+        t0 = time.perf_counter()
+        if self.cfg.trainer.advantages_on == "ray_data":
+            from rapo_ray.data_flow import advantages_with_ray_data
+
+            out = advantages_with_ray_data(batch, a)
+        else:
+            out = group_advantages(batch, a)
+        elapsed = time.perf_counter() - t0
         for i, (r, lr) in enumerate(zip(rows, lrows)):
-            lr.advantage, lr.shaping = float(adv[i]), float(shaping[i])
-            r["advantage"], r["retrieval_reward"], r["shaping"] = float(adv[i]), float(z[i]), float(shaping[i])
-        hybrid_z = [float(z[i]) for i, r in enumerate(rows) if r["num_retrievals"]]
-        return {"entropy": _mean(ent_means), "z_ret_mean": _mean(hybrid_z)}
+            lr.advantage, lr.shaping = float(out["advantage"][i]), float(out["shaping"][i])
+            r["advantage"], r["retrieval_reward"], r["shaping"] = lr.advantage, float(out["retrieval_reward"][i]), lr.shaping
+        hybrid_z = [r["retrieval_reward"] for r in rows if r["num_retrievals"]]
+        return {"entropy": _mean(ent_means), "z_ret_mean": _mean(hybrid_z), "advantages_s": elapsed}
 
     def _update(self, lrows) -> dict:
         from rapo_ray.algos import aggregation_denominator
@@ -377,6 +376,20 @@ class Trainer:
                 if isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, m.get("step", self.step_idx))
             self.tb.flush()
+
+    def _insert_on_policy(self, rows) -> int:
+        """RAPO's optional buffer growth: steps of successful on-policy trajectories go into the buffer."""
+        from dataclasses import asdict
+
+        from ray import serve
+
+        from rapo_ray.sft import steps_of_row
+
+        good = [r for r in rows if r["slot_kind"] != "hybrid" and not r["num_retrievals"] and r["reward"] >= self.cfg.retrieval.insert_min_reward]
+        steps = [asdict(st) for r in good for st in steps_of_row(self.tok, r)]
+        if not steps:
+            return 0
+        return serve.get_deployment_handle("StepRetriever", app_name=self.retrieval_app).insert.remote(steps).result()
 
     def _write_trajectories(self, rows):
         import pyarrow as pa

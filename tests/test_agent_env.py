@@ -351,6 +351,11 @@ def test_steps_of_excludes_answer_steps(tiny_cfg, tiny_tokenizer, tools):
     assert len(steps) == t.tool_calls
     assert all("<answer>" not in s.value and s.value.endswith("</result>") for s in steps)
     assert steps[0].key == t.question and steps[1].key.startswith(t.question + "<think>")
+    from rapo_ray.sft import steps_of_row
+
+    # the trainer's rows (Trajectory.to_row) give the same steps, tagged as on-policy
+    assert [(x.key, x.value, x.value_ids) for x in steps_of_row(tiny_tokenizer, t.to_row())] == [(x.key, x.value, x.value_ids) for x in steps]
+    assert {x.source for x in steps_of_row(tiny_tokenizer, t.to_row())} == {"on_policy"}
 
 
 def test_arpo_branching_fills_group(tiny_cfg, tiny_tokenizer, tools):
@@ -363,3 +368,15 @@ def test_arpo_branching_fills_group(tiny_cfg, tiny_tokenizer, tools):
         assert len(group) == 5 and len({t.slot for t in group}) == 5
         branches = [t for t in group if t.slot_kind == "branch"]
         assert branches and all(t.response_ids[: t.branch_point] == group[t.parent].response_ids[: t.branch_point] for t in branches)
+
+
+def test_context_window_bounds_prompt_plus_response(tiny_tokenizer, tools):
+    """A prompt longer than the model's window ends at once (no engine call); otherwise the window caps steps."""
+    steps = ["<think>a</think><python>print(1)</python>"] * 5
+    eng = ScriptEngine(tiny_tokenizer, steps)
+    loop = AgentLoop(eng, tiny_tokenizer, tools, settings(max_context=20, max_tool_calls=9))
+    (t,), _ = loop.run_groups([Task("q", "word " * 50, ("1",))], 1)
+    assert t.finish_reason == "length" and t.response_ids == [] and eng.calls.get("n", 0) == 0
+    loop = AgentLoop(ScriptEngine(tiny_tokenizer, steps), tiny_tokenizer, tools, settings(max_context=80, max_tool_calls=9))
+    (t,), _ = loop.run_groups([Task("q", "Who?", ("1",))], 1)
+    assert len(t.prompt_ids) + len(t.response_ids) < 80 and t.finish_reason == "length"

@@ -345,3 +345,30 @@ def test_arpo_hard_attribution():
     assert out[2].tolist() == pytest.approx([4 / 3, 4 / 3, 1.5, 4.0])
     with pytest.raises(ValueError, match="cycle"):
         hard_advantage_attribution(adv[:2], [1, 0], [1, 1], torch.ones(2, 2))
+
+
+def test_group_advantages_rapo_by_hand_and_per_group_equals_whole_batch():
+    from rapo_ray.algos import group_advantages
+    from rapo_ray.config import load_config
+
+    algo = load_config().algo  # rapo, a = 0.2, m = 0.05
+    batch = {"row": [0, 1, 2, 3], "group_id": ["g", "g", "h", "h"], "reward": [1.0, 0.0, 1.0, 1.0],
+             # row 1 retrieved after step 0 (H 2.0) and the step after it has H 1.0
+             "step_entropies": [[1.0, 1.0], [2.0, 1.0], [0.5], [0.5]],
+             "retrieval_before": [[], [0], [], []], "retrieval_after": [[], [1], [], []],
+             "num_retrieved_tokens": [0, 5, 0, 0], "num_response_tokens": [10, 20, 10, 10]}
+    out = group_advantages(batch, algo)
+    # group g: rewards (1, 0): mean 0.5, unbiased std 0.7071 -> A_acc = +-0.7071; group h: constant -> 0
+    a_acc = 0.5 / (0.5**0.5 + 1e-6)
+    # Z of row 1 (Eq. 5-7): delta = (H_before - H_after) / H_before = (2 - 1) / 2 = 0.5, quality tanh(2 * 0.5),
+    # timing H_before = 2 -> Z = 2 tanh(1); row 0 has Z 0. The group z-score of (0, Z) is (-0.7071, +0.7071)
+    # whatever Z is, so the factors are (1 - 0.2 * 0.7071, 1 + 0.2 * 0.7071)
+    z = 2 * math.tanh(1.0)
+    z_adv = (z / 2) / (z / 2**0.5 + 1e-6)
+    assert out["retrieval_reward"] == pytest.approx([0.0, z, 0.0, 0.0])
+    assert out["advantage"] == pytest.approx([a_acc * (1 - 0.2 * z_adv), -a_acc * (1 + 0.2 * z_adv), 0.0, 0.0], abs=1e-5)
+    # Eq. 8 shaping: 1 + m F_ret with F_ret = 5 / 20
+    assert out["shaping"] == pytest.approx([1.0, 1.0 + 0.05 * 0.25, 1.0, 1.0], abs=1e-6)
+    # per group == whole batch (what lets Ray Data's map_groups compute it)
+    parts = [group_advantages({k: [v[i] for i in idx] for k, v in batch.items()}, algo) for idx in ([0, 1], [2, 3])]
+    assert [x for p in parts for x in p["advantage"]] == pytest.approx(out["advantage"])

@@ -107,6 +107,13 @@ def test_serve_app_handle_and_http(serve_url, tmp_path):
         assert requests.post(url, json={"queries": ["key 1"]}, timeout=30).status_code == 200  # still serving
         noisy = HandleStepRetriever(handle, noise_prob=1.0, seed=0).retrieve(["key 7"])
         assert noisy[0].noise
+        # on-policy insertion (retrieval.insert_on_policy): embedded by the service, searchable at once, idempotent
+        fresh = {"key": "a brand new history", "value": "<think>fresh</think>", "value_ids": [5, 6], "reward": 1.0,
+                 "question_id": "qnew", "step_index": 0, "source": "on_policy"}
+        n0 = handle.count.remote().result()
+        assert handle.insert.remote([fresh]).result() == 1 and handle.insert.remote([fresh]).result() == 1
+        assert handle.count.remote().result() == n0 + 1
+        assert HandleStepRetriever(handle).retrieve(["a brand new history"])[0].value == "<think>fresh</think>"
     finally:
         serve.delete("retrieval_test")
         server.stop()
@@ -139,3 +146,39 @@ def test_builder_counts_idempotence_and_resume(ray_session, tiny_cfg, tiny_model
     assert store.count() == before == rep.steps + rep2.steps
     store.close()
     assert "step traces" in rep.table()
+
+
+def test_milvus_document_index_for_the_search_tool(tmp_path):
+    """The search tool's corpus in its own Milvus collection: idempotent adds, dense top-k, a SearchTool on top."""
+    from rapo_ray.envs.tools import SearchTool
+    from rapo_ray.retrieval.embedder import Embedder
+    from rapo_ray.retrieval.store import MilvusDocumentIndex
+
+    docs = ["The mentor of Alice is Bob.", "Paris is the capital of France.", "Photosynthesis turns light into chemical energy.",
+            "The Pacific is the largest ocean."]
+    index = MilvusDocumentIndex(str(tmp_path / "corpus.db"), "docs", Embedder(pooling="mean"))
+    index.add(docs)
+    index.add(docs[:2])  # same texts again: upserted, not duplicated
+    assert index.count() == 4
+    hits = index.search("What is the capital city of France?", 2)
+    assert hits[0][0] == "Paris is the capital of France." and len(hits) == 2 and hits[0][1] >= hits[1][1]
+    res = SearchTool(index, top_k=1).run("largest ocean")
+    assert res.ok and res.text == "The Pacific is the largest ocean."
+    index.close()
+
+
+def test_search_tool_over_milvus_for_the_bundled_corpus(tmp_path, tiny_cfg):
+    from dataclasses import replace
+
+    from rapo_ray.envs import tasks as bundled
+    from rapo_ray.envs.suite import build_tools
+
+    tcfg = replace(tiny_cfg.tasks, search_backend="milvus", search_milvus_uri=str(tmp_path / "search.db"))
+    tools = build_tools(tcfg, tiny_cfg.rollout)
+    try:
+        docs = bundled.make_world(tcfg.seed).documents()
+        assert tools.search.index.count() == len(docs)
+        res = tools.call("search", docs[0].rsplit(" is ", 1)[0])  # "The mentor of X" -> its fact among the top 3
+        assert res.ok and docs[0] in res.text.split("\n")
+    finally:
+        tools.close()

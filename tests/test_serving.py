@@ -244,6 +244,8 @@ def test_bad_requests_get_400_and_the_replica_keeps_serving(agent_apps):
     url = agent_apps["agent"] + "/v1/chat/completions"
     r = requests.post(url, json={"model": "tiny"}, headers=headers, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["message"] == "'messages' is required"
+    r = requests.post(url, data=b"x" * 300_000, headers=headers, timeout=60)
+    assert r.status_code == 400 and "bytes; the limit is" in r.json()["error"]["message"]
     r = requests.post(url, data=b"{not json", headers=headers, timeout=60)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     resp = client.chat.completions.create(model="tiny", messages=_user(), max_tokens=8)

@@ -120,13 +120,16 @@ def test_end_to_end_rapo_and_resume_is_exact(ray_session, warm_cfg):
     from rapo_ray.trainer import run
 
     cfg = replace(warm_cfg, trainer=replace(warm_cfg.trainer, total_steps=2), run=replace(warm_cfg.run, name="rapo"),
-                  checkpoint=replace(warm_cfg.checkpoint, every=1))
+                  checkpoint=replace(warm_cfg.checkpoint, every=1),
+                  # on-policy insertion on, with every on-policy trajectory that called a tool qualifying
+                  retrieval=replace(warm_cfg.retrieval, insert_on_policy=True, insert_min_reward=-1.0))
     summary = run(cfg, log=lambda *_: None)
     rd = summary["run_dir"]
     metrics = [json.loads(x) for x in open(f"{rd}/metrics.jsonl")]
     steps = [m for m in metrics if "reward" in m]
     assert len(steps) == 2 and all(m["rollout_tokens"] > 0 for m in steps)
     assert sum(m["retrievals"] for m in steps) > 0  # hybrid slots retrieved through Serve + Milvus
+    assert sum(m["inserted_steps"] for m in steps) > 0  # on-policy steps went into the buffer through Serve
     assert Path(f"{rd}/curves.png").is_file() and json.load(open(f"{rd}/summary.json"))["steps"] == 2
     assert list(Path(rd, "tb").glob("events.out.tfevents.*"))  # TensorBoard event files
     import pyarrow.parquet as pq
@@ -157,3 +160,24 @@ def test_resume_with_incompatible_config_names_fields(ray_session, warm_cfg, tmp
         make_run_dir(replace(warm_cfg, run=replace(warm_cfg.run, output_dir=str(tmp_path), name="r")))
     with pytest.raises(ConfigError, match="not a run directory"):
         make_run_dir(replace(warm_cfg, checkpoint=replace(warm_cfg.checkpoint, resume=str(tmp_path / "nowhere"))))
+
+
+def test_ray_data_advantages_equal_the_driver(ray_session):
+    from rapo_ray.algos import group_advantages
+    from rapo_ray.config import load_config
+    from rapo_ray.data_flow import advantages_with_ray_data
+
+    algo = load_config().algo
+    rng = __import__("random").Random(0)
+    n = 24
+    batch = {"row": list(range(n)), "group_id": [f"g{i // 8}" for i in range(n)], "reward": [float(rng.choice([-1, 0, 1])) for _ in range(n)],
+             "step_entropies": [[rng.random() + 0.1 for _ in range(3)] for _ in range(n)],
+             "retrieval_before": [[0] if i % 8 >= 4 else [] for i in range(n)],
+             "retrieval_after": [[1 if i % 3 else -1] if i % 8 >= 4 else [] for i in range(n)],
+             "num_retrieved_tokens": [7 if i % 8 >= 4 else 0 for i in range(n)], "num_response_tokens": [40] * n}
+    expected = group_advantages(batch, algo)
+    got = advantages_with_ray_data(batch, algo)
+    assert got["row"] == expected["row"]
+    for k in ("advantage", "retrieval_reward", "shaping"):
+        assert got[k] == pytest.approx(expected[k], abs=1e-6)
+    assert any(v != 0 for v in expected["retrieval_reward"])

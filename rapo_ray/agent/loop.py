@@ -54,6 +54,7 @@ class LoopSettings:
     max_tool_calls: int = 3
     retrieve_prob: float = 0.5
     tool_bonus: float = 0.0
+    max_context: int = 0  # the model's window: prompt + response never exceed it (0: no limit known)
     seed: int | None = None
     # ARPO
     arpo_initial: int | None = None  # None: no branching
@@ -184,8 +185,8 @@ class AgentLoop:
             prompts, params, rows = [], [], []
             for i in active:
                 t = trajs[i]
-                room = self.s.max_response_tokens - len(t.response_ids)
-                if room <= 0:
+                room = self._room(t)
+                if room <= 0:  # out of response budget or context (a prompt longer than the window ends here)
                     self._finish(t, "length")
                     continue
                 prompts.append(t.prompt_ids + t.response_ids)
@@ -233,7 +234,7 @@ class AgentLoop:
                 t.retrieval_fallbacks += 1
                 continue
             ids = self.retrieve_open + (list(hit.value_ids) or self._encode(hit.value)) + self.retrieve_close
-            room = self.s.max_response_tokens - len(t.response_ids) - 1
+            room = self._room(t) - 1
             if len(ids) > room:  # no room for the retrieved step and a policy step after it
                 t.retrieval_fallbacks += 1
                 continue
@@ -294,7 +295,7 @@ class AgentLoop:
             t.tool_time_s += res.elapsed_s
             t.tool_errors += 0 if res.ok else 1
             ids = self._encode(protocol.RESULT[0] + res.text + protocol.RESULT[1])
-            room = self.s.max_response_tokens - len(t.response_ids)
+            room = self._room(t)
             if room <= 1:
                 self._finish(t, "length")
                 continue
@@ -334,6 +335,12 @@ class AgentLoop:
                 trajs.append(self._new(task, gid, top + 1 + j, ON_POLICY, prompt))
             added = True
         return added
+
+    def _room(self, t: Trajectory) -> int:
+        room = self.s.max_response_tokens - len(t.response_ids)
+        if self.s.max_context:
+            room = min(room, self.s.max_context - len(t.prompt_ids) - len(t.response_ids) - 1)
+        return room
 
     def _emit(self, t: Trajectory, kind: str, ids) -> None:
         if self.on_append is not None:

@@ -15,6 +15,7 @@ from rapo_ray.algos.entropy import (
     token_entropy_from_logits,
     topk_entropy_estimate,
 )
+from rapo_ray.algos.group import group_advantages
 from rapo_ray.algos.loss import AGG_MODES, PolicyLossConfig, aggregation_denominator, policy_loss
 from rapo_ray.algos.rapo import (
     RetrievalRewardSwitches,

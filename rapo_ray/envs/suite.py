@@ -42,12 +42,29 @@ def task_splits(tasks_cfg, difficulty: dict | None = None) -> tuple[dict[str, li
     return train, test
 
 
+def search_index_for(tasks_cfg, milvus_token: str = ""):
+    """The search tool's index over the bundled fact corpus: lexical, or a Milvus collection (tasks.search_*)."""
+    documents = bundled.make_world(tasks_cfg.seed).documents()
+    if tasks_cfg.search_backend == "lexical":
+        return LexicalIndex(documents)
+    import tempfile
+
+    from rapo_ray.retrieval.embedder import Embedder
+    from rapo_ray.retrieval.store import MilvusDocumentIndex
+
+    uri = tasks_cfg.search_milvus_uri or str(Path(tempfile.mkdtemp(prefix="rapo_search_")) / "corpus.db")  # per process
+    index = MilvusDocumentIndex(uri, tasks_cfg.search_collection, Embedder(pooling="mean"), token=milvus_token)
+    if index.count() < len(documents):
+        index.add(documents)  # idempotent: keyed by content
+    return index
+
+
 def build_tools(tasks_cfg, rollout_cfg, search_index=None, max_concurrency: int = 2) -> ToolSet:
-    """Python sandbox + search (the bundled fact corpus by default; any index with ``search(q, k)``)."""
+    """Python sandbox + search (the bundled fact corpus by tasks.search_backend; or any index with ``search(q, k)``)."""
     limits = SandboxLimits(timeout_s=rollout_cfg.tool_timeout_s, cpu_s=max(1, int(rollout_cfg.tool_timeout_s)),
                            output_chars=rollout_cfg.tool_output_chars)
     if search_index is None:
-        search_index = LexicalIndex(bundled.make_world(tasks_cfg.seed).documents())
+        search_index = search_index_for(tasks_cfg)
     return ToolSet(PythonSandbox(limits, max_concurrency), SearchTool(search_index, 3, rollout_cfg.tool_output_chars), max_concurrency)
 
 

@@ -114,7 +114,7 @@ def build_buffer(cfg, model_dir: str, uri: str, tasks: list, manifest: Path, log
     if todo:
         items = [{"id": t.id, "question": t.question, "answers": json.dumps(list(t.answers)), "kind": t.kind} for t in todo]
         ds = ray.data.from_items(items, override_num_blocks=max(1, len(items) // 64))
-        ds = ds.map_batches(ExpertSampler, fn_constructor_args=(model_dir, to_dict(cfg), cfg.retrieval.buffer_error_rate, cfg.trainer.seed),
+        ds = ds.map_batches(ExpertSampler, fn_constructor_args=(model_dir, to_dict(cfg), cfg.retrieval.buffer_error_rate, cfg.trainer.sft_seed),
                             batch_size=32, concurrency=1, num_cpus=1, batch_format="numpy")
         ds = ds.map_batches(EmbedStep, fn_constructor_args=(cfg.retrieval.pooling, cfg.retrieval.query_max_chars),
                             batch_size=256, concurrency=1, num_cpus=1, batch_format="numpy")
@@ -130,6 +130,7 @@ def build_buffer(cfg, model_dir: str, uri: str, tasks: list, manifest: Path, log
             tmp.write_text(json.dumps(sorted(done)))
             tmp.replace(manifest)
         report.trajectories = len(trajectories)
+    store.flush()  # also seals a buffer built by an older version without a flush
     report.seconds = time.perf_counter() - t0
     total = store.count()
     store.close()

@@ -70,6 +70,18 @@ class StepRetrieverService:
     def count(self) -> int:
         return self.store.count()
 
+    def insert(self, steps: list[dict]) -> int:
+        """Embed and upsert steps (``StoredStep`` fields) into the buffer: RAPO's optional insertion of
+        successful on-policy steps during training. Idempotent: a step already stored is not added twice."""
+        from rapo_ray.agent.retriever import StoredStep
+
+        rows = [StoredStep(**s) for s in steps]
+        if not rows:
+            return 0
+        n = self.store.upsert(rows, self.embedder.embed([r.key for r in rows]))
+        self.store.flush()
+        return n
+
     def sample(self, n: int, seed: int = 0) -> list[dict]:
         return [_as_dict(h) for h in self.store.random_steps(n, seed)]
 

@@ -18,7 +18,6 @@ import hmac
 import importlib
 import json
 import os
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -28,7 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
 from rapo_ray.config import Config, ConfigError, from_dict, load_config, to_dict
-from rapo_ray.model import resolve_checkpoint
+from rapo_ray.model import context_length, resolve_checkpoint
 from rapo_ray.algos.entropy import GENERATED
 from rapo_ray.serving.chat import (FINISH_REASON, BadRequest, ChatRequest, answer_of, chunk, completion_response, parse_chat_request,
                                    tool_trace, usage)
@@ -48,11 +47,6 @@ def _sse(obj) -> str:
 # (defined before the deployment class: Serve pickles the class when it is decorated)
 
 
-def _context_length(model_dir: str) -> int:
-    data = json.loads((Path(model_dir) / "config.json").read_text())
-    return int(data.get("max_position_embeddings", 2048))
-
-
 def _make_engine(sc, cfg: Config, model_dir: str, tokenizer):
     """serve.engine_factory if set; else vLLM on a GPU, the torch engine on CPU (or what serve.engine names)."""
     if sc.engine_factory:
@@ -66,25 +60,15 @@ def _make_engine(sc, cfg: Config, model_dir: str, tokenizer):
     name = sc.engine
     if name == "auto":
         name = "vllm" if on_gpu() and vllm_available() else "torch"
-    return make_engine(replace(cfg.rollout, engine=name), model_dir, dtype=cfg.model.dtype, max_model_len=_context_length(model_dir))
+    return make_engine(replace(cfg.rollout, engine=name), model_dir, dtype=cfg.model.dtype, max_model_len=context_length(model_dir))
 
 
 def _make_tools(cfg: Config):
-    """Python sandbox + search over the corpus: in-memory lexical, or Milvus (dense) when configured."""
-    from rapo_ray.envs.suite import build_tools
+    """Python sandbox + search over the corpus (tasks.search_backend: lexical, or a Milvus collection)."""
+    from rapo_ray.envs.suite import build_tools, search_index_for
 
-    sc = cfg.serve
-    index = None
-    if sc.search_backend == "milvus":
-        from rapo_ray.envs import tasks as bundled
-        from rapo_ray.retrieval.embedder import Embedder
-        from rapo_ray.retrieval.store import MilvusDocumentIndex
-
-        uri = sc.search_milvus_uri or str(Path(tempfile.mkdtemp(prefix="rapo_search_")) / "corpus.db")  # per replica
-        index = MilvusDocumentIndex(uri, sc.search_collection, Embedder(pooling="mean"), token=cfg.retrieval.milvus_token)
-        if index.count() == 0:
-            index.add(bundled.make_world(cfg.tasks.seed).documents())
-    return build_tools(cfg.tasks, cfg.rollout, search_index=index, max_concurrency=sc.tool_concurrency)
+    index = search_index_for(cfg.tasks, cfg.retrieval.milvus_token)
+    return build_tools(cfg.tasks, cfg.rollout, search_index=index, max_concurrency=cfg.serve.tool_concurrency)
 
 
 @serve.deployment(name="AgentServer", health_check_period_s=5, health_check_timeout_s=30, graceful_shutdown_timeout_s=60)
@@ -104,7 +88,7 @@ class AgentServer:
         self.tools = _make_tools(self.cfg)
         self.bundled = protocol.ASSISTANT in self.tok.get_vocab()
         self.system_prompt = protocol.system_prompt_for(self.cfg.tasks.system_prompt, bundled=self.bundled)
-        self.max_context = _context_length(model_dir)
+        self.max_context = context_length(model_dir)
         self.pool = ThreadPoolExecutor(max_workers=sc.max_ongoing_requests, thread_name_prefix="conversation")
         self.api_key = sc.api_key or (os.environ.get(sc.api_key_env, "") if sc.api_key_env else "")
         self.requests = self.failures = 0
@@ -127,6 +111,10 @@ class AgentServer:
     async def chat_completions(self, request: Request):
         if (denied := self._check_auth(request)) is not None:
             return denied
+        limit = 4 * self.cfg.serve.max_request_chars + 65536  # UTF-8 and JSON framing around the character limit
+        size = request.headers.get("content-length", "")
+        if size.isdigit() and int(size) > limit:  # refused before the body is read
+            return _error(400, f"the request body is {size} bytes; the limit is {limit} (serve.max_request_chars)")
         try:
             body = await request.json()
         except Exception:
@@ -150,7 +138,7 @@ class AgentServer:
         return resp
 
     def check_health(self):
-        if not self.engine._thread.is_alive():
+        if not self.engine.alive:
             raise RuntimeError("the engine batcher thread died")
 
     # ------------------------------------------------------------ the agent loop

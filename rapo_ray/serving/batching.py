@@ -51,6 +51,11 @@ class BatchingEngine(InferenceEngine):
         self._queue.put((list(prompts), self._per_prompt(params, len(prompts)), fut))
         return fut.result()
 
+    @property
+    def alive(self) -> bool:
+        """The batcher thread is running (a replica's health check)."""
+        return self._thread.is_alive()
+
     def load_weights(self, state_dict: dict, version: int) -> None:
         with self._lock:
             self.inner.load_weights(state_dict, version)
