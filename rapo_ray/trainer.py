@@ -146,14 +146,14 @@ class LearnerLost(RuntimeError):
 def _gather(refs: list) -> list:
     """ray.get for learner calls that fails fast: the surviving ranks of a group that lost one would wait in a
     collective, so the first dead rank ends the wait."""
-    pending = list(refs)
+    results, pending = {}, list(refs)
     while pending:
         ready, pending = ray.wait(pending, num_returns=1)
         try:
-            ray.get(ready[0])
+            results[ready[0]] = ray.get(ready[0])  # each result fetched once (a full state dict can be GBs)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
             raise LearnerLost(f"a learner died: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
-    return ray.get(list(refs))
+    return [results[r] for r in refs]
 
 
 class Trainer:

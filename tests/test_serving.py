@@ -46,12 +46,20 @@ def _user(text="What is 6*7?"):
     ({"messages": _user(), "model": "gpt-4"}, "unknown model 'gpt-4'; this server serves 'agent'"),
     ({"messages": _user(), "max_tool_calls": 4}, "'max_tool_calls' must be in [0, 3], got 4"),
     ({"messages": _user(), "tools": [{"type": "function"}]}, "'tools' is not supported"),
+    ({"messages": _user(), "stop": ["\n"]}, "'stop' is not supported"),
+    ({"messages": _user(), "frequency_penalty": 0.5}, "'frequency_penalty' is not supported"),
     ({"messages": _user(), "foo": 1}, "unknown fields ['foo']"),
 ])
 def test_bad_requests_name_the_field(body, message):
     with pytest.raises(BadRequest) as err:
         parse_chat_request(body, SERVE_CFG, "agent")
     assert message in str(err.value)
+
+
+def test_default_valued_and_bookkeeping_fields_are_accepted():
+    req = parse_chat_request({"messages": _user(), "frequency_penalty": 0, "stop": None, "logprobs": False, "user": "u1",
+                              "metadata": {"k": "v"}}, SERVE_CFG, "agent")
+    assert req.messages == _user()
 
 
 def test_request_defaults_and_text_parts():

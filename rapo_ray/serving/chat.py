@@ -18,10 +18,15 @@ from rapo_ray.algos.entropy import GENERATED, RETRIEVED, TOOL_RESULT
 
 ROLES = ("system", "user", "assistant")
 _ANSWER = re.compile(re.escape(protocol.ANSWER[0]) + r"(.*?)" + re.escape(protocol.ANSWER[1]), re.S)
-_KNOWN_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
-                 "stream_options", "seed", "stop", "user", "max_tool_calls", "frequency_penalty", "presence_penalty",
-                 "logit_bias", "logprobs", "top_logprobs", "tools", "tool_choice", "response_format", "metadata", "store",
-                 "parallel_tool_calls", "service_tier", "reasoning_effort", "modalities"}
+_SUPPORTED_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
+                     "stream_options", "seed", "max_tool_calls"}
+# Bookkeeping fields that do not change the reply: accepted and not used.
+_IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
+# OpenAI fields this server does not implement: a request that sets one to anything but its default gets a 400
+# naming it, rather than a reply that silently ignores it.
+_UNSUPPORTED_FIELDS = {"stop": None, "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "logprobs": False,
+                       "top_logprobs": None, "tools": None, "tool_choice": None, "response_format": None,
+                       "reasoning_effort": None, "modalities": None}
 
 
 class BadRequest(ValueError):
@@ -83,9 +88,12 @@ def parse_chat_request(body, serve_cfg, model_name: str) -> ChatRequest:
     """Validate a ``POST /v1/chat/completions`` body against the server's limits (``ServeConfig``)."""
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
-    unknown = sorted(set(body) - _KNOWN_FIELDS)
+    unknown = sorted(set(body) - _SUPPORTED_FIELDS - _IGNORED_FIELDS - set(_UNSUPPORTED_FIELDS))
     if unknown:
         raise BadRequest(f"unknown fields {unknown}")
+    for key, default in _UNSUPPORTED_FIELDS.items():
+        if body.get(key, default) not in (default, None, [], {}):
+            raise BadRequest(f"'{key}' is not supported by this server (the agent's tools, stops and sampling are fixed)")
     msgs = body.get("messages")
     if msgs is None:
         raise BadRequest("'messages' is required")
@@ -115,9 +123,6 @@ def parse_chat_request(body, serve_cfg, model_name: str) -> ChatRequest:
         raise BadRequest(f"unknown model {model!r}; this server serves {model_name!r}")
     if body.get("n", 1) not in (1, None):
         raise BadRequest("'n' must be 1 (one agent run per request)")
-    for unsupported in ("tools", "logprobs", "response_format"):
-        if body.get(unsupported):
-            raise BadRequest(f"'{unsupported}' is not supported: the agent's tools are fixed by the server")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest(f"'stream' must be a boolean, got {type(stream).__name__}")
