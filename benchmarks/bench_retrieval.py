@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -23,14 +22,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from rapo_ray.net import free_port  # noqa: E402
+
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def closed_loop(call, clients: int, seconds: float) -> dict:
@@ -115,7 +112,7 @@ def main() -> int:
         print(f"top-1 recall vs brute force (200 queries): {report['recall_at_1']:.3f}")
         store.close()
 
-        port = _port()
+        port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         cfg = load_config(overrides=["retrieval.collection=bench", "retrieval.batch_wait_ms=10"])
         clients = [int(c) for c in args.clients.split(",")]

@@ -16,7 +16,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,14 +25,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from rapo_ray.net import free_port  # noqa: E402
 ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
        "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "token"}
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _pids_under(path: str) -> list[int]:
@@ -93,7 +89,7 @@ def autoscale(timeout: float) -> dict:
     import yaml
 
     tmp = tempfile.mkdtemp(prefix="rapo_fake_")
-    port = _port()
+    port = free_port()
     env = dict(os.environ, **ENV, RAY_FAKE_CLUSTER="1", RAY_AUTH_TOKEN=secrets.token_hex(32))
     os.environ.update({k: env[k] for k in ENV} | {"RAY_AUTH_TOKEN": env["RAY_AUTH_TOKEN"]})
     cfg_yaml = yaml.safe_load((REPO / "cluster" / "fake-multinode.yaml").read_text())

@@ -13,7 +13,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ import ray
 import torch
 
 from rapo_ray.config import Config, ConfigError, diff_configs, from_dict, save_config, to_dict
+from rapo_ray.net import free_port
 
 
 # ---------------------------------------------------------------- Ray start-up
@@ -87,10 +87,6 @@ def _autoscaling_cluster() -> bool:
     return bool(os.environ.get("RAPO_AUTOSCALING_CLUSTER"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------- run directory
@@ -191,7 +187,7 @@ class Trainer:
                                f"{rc.placement_timeout_s:g} s (resources.placement_timeout_s)")
         actor = ray.remote(num_cpus=rc.cpus_per_learner, num_gpus=rc.gpus_per_learner,
                            resources=dict(rc.learner_custom_resources) or None)(LearnerWorker)
-        port = _free_port()
+        port = free_port()
         cfg_dict = to_dict(cfg)
         self.learners = [actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r))
                          .remote(r, lc.world_size, port, str(model_dir), cfg_dict, lc.backend) for r in range(lc.world_size)]
@@ -529,7 +525,7 @@ def run(cfg: Config, log=print) -> dict:
             log(report.table())
             serve_started = not _serve_running()  # a Serve someone else started (a cluster's, a test's) stays up
             if serve_started:
-                serve.start(http_options={"host": "127.0.0.1", "port": _free_port()})
+                serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
             retrieval_app = "retrieval"
             serve.run(build_app(cfg.retrieval, uri), name=retrieval_app, route_prefix="/retrieve")
         # 3. learners, fleet, weight hub

@@ -90,12 +90,10 @@ def ray_session():
 @pytest.fixture(scope="session")
 def serve_url(ray_session):
     """Ray Serve's HTTP proxy on a free loopback port, started once for the suite; apps add routes under it."""
-    import socket
-
     from ray import serve
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from rapo_ray.net import free_port
+
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     return f"http://127.0.0.1:{port}"

@@ -1,7 +1,6 @@
 """Retrieval against a real milvus-lite (temporary directory) and the Serve app on 127.0.0.1."""
 
 import json
-import socket
 
 import numpy as np
 import pytest
@@ -54,9 +53,9 @@ def test_dimension_mismatch_is_clear(lite):
 
 
 def test_unreachable_milvus_names_uri():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from rapo_ray.net import free_port
+
+    port = free_port()  # nothing listens there
     with pytest.raises(StoreError, match=f"Milvus at http://127.0.0.1:{port} is unreachable"):
         MilvusStepStore(f"http://127.0.0.1:{port}", "x", dim=8)
 

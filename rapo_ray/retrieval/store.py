@@ -22,6 +22,7 @@ from typing import Sequence
 import numpy as np
 
 from rapo_ray.agent.retriever import RetrievedStep, StoredStep
+from rapo_ray.net import free_port
 
 HNSW = {"M": 32, "efConstruction": 200}
 SEARCH_EF = 128
@@ -163,7 +164,7 @@ class MilvusLiteServer:
     def __init__(self, data_dir: str | Path, port: int | None = None, start_timeout_s: float = 60.0):
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.port = port or _free_port()
+        self.port = port or free_port()
         exe = shutil.which("milvus-lite") or str(Path(sys.executable).with_name("milvus-lite"))
         if not Path(exe).exists():
             raise StoreError("the milvus-lite executable was not found (pip install milvus-lite)")
@@ -197,10 +198,6 @@ class MilvusLiteServer:
         self.log.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class MilvusDocumentIndex:
