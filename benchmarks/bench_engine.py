@@ -124,9 +124,11 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--artifacts", default=str(REPO / "artifacts" / "bench"))
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "engine.json"))
+    ap.add_argument("--reuse", default="", help="engines whose raw result from an earlier run (beside --out) is reused")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     batches = [int(x) for x in args.batches.split(",")]
+    reuse = {x for x in args.reuse.split(",") if x}
     if args.worker:
         res = worker(args.worker[0], args.worker[1], batches, args.new_tokens, args.repeats)
         print("RESULT " + json.dumps(res))
@@ -142,6 +144,13 @@ def main() -> int:
         n_params = sum(p.numel() for p in load_model(path).parameters())
         per_engine = {}
         for e in args.engines.split(","):
+            # Each worker's raw result (with its token outputs) is kept beside --out, so a long 0.5B run
+            # that is stopped half way keeps the engines it finished; --reuse reads them back.
+            raw = Path(args.out).with_name(f"{Path(args.out).stem}_{m}_{e}.raw.json")
+            if e in reuse and raw.exists():
+                per_engine[e] = json.loads(raw.read_text())
+                print(f"[{m}] {e}: reusing {raw}")
+                continue
             if e == "vllm" and not vllm_available():
                 print(f"[{m}] vllm: not importable here, skipped")
                 continue
@@ -154,6 +163,9 @@ def main() -> int:
                 print(f"[{m}] {e} failed:\n{proc.stderr[-3000:]}")
                 return 1
             per_engine[e] = json.loads(line[-1][7:])
+            raw.parent.mkdir(parents=True, exist_ok=True)
+            raw.write_text(json.dumps(per_engine[e]))
+            print(f"[{m}] {e}: done ({raw})", flush=True)
         report["results"][m] = {"params": n_params, "engines": per_engine}
         ref = per_engine.get("hf")
         for e, r in per_engine.items():

@@ -94,7 +94,7 @@ def main() -> int:
     cfg = load_config(overrides=["serve.model_name=agent", "serve.max_ongoing_requests=64"] + args.overrides)
     _, test = task_splits(cfg.tasks)
     questions = [t for pair in zip(*test.values()) for t in pair]  # interleave the families
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}})
     port = free_port()
     try:
@@ -113,6 +113,9 @@ def main() -> int:
             h1 = requests.get(base + "/health", timeout=30).json()
             calls = h1["engine_calls"] - h0["engine_calls"]
             level["prompts_per_engine_call"] = round((h1["prompts"] - h0["prompts"]) / max(calls, 1), 2)
+            if "decode_steps" in h1:  # a continuously batching engine: its mean decode batch says more
+                steps = h1["decode_steps"] - h0["decode_steps"]
+                level["mean_decode_batch"] = round((h1["decode_rows"] - h0["decode_rows"]) / max(steps, 1), 2)
             report["levels"].append(level)
             print(json.dumps(level), flush=True)
         out = Path(args.out)

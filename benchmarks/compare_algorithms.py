@@ -115,6 +115,8 @@ def main() -> int:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--artifacts", default=str(REPO / "artifacts"), help="shared warm start + buffer (built once)")
     ap.add_argument("--out", default=str(REPO / "runs" / "compare"))
+    ap.add_argument("--report", default=str(REPO / "benchmarks" / "results" / "compare.json"),
+                    help="where the JSON report goes; the curves PNG goes beside it unless it is the default (docs/)")
     ap.add_argument("overrides", nargs="*", help="extra config overrides applied to every run")
     args = ap.parse_args()
     out = Path(args.out)
@@ -129,11 +131,14 @@ def main() -> int:
             (results.append(r) if r is not None else failed.append(f"{method} seed {seed}"))
     report = {"steps": args.steps, "prompts_per_step": args.prompts, "group_size": 16, "eval_size": args.eval_size,
               "overrides": args.overrides, "failed": failed, "runs": results}
-    dest = REPO / "benchmarks" / "results" / "compare.json"
+    dest = Path(args.report)
+    dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(report, indent=1))
-    plot(results, REPO / "docs" / "compare_curves.png")
+    default = dest.resolve() == (REPO / "benchmarks" / "results" / "compare.json").resolve()
+    curves = REPO / "docs" / "compare_curves.png" if default else dest.with_suffix(".png")
+    plot(results, curves)
     print(tables(results))
-    print(f"wrote {dest} and docs/compare_curves.png" + (f"; FAILED runs: {failed}" if failed else ""))
+    print(f"wrote {dest} and {curves}" + (f"; FAILED runs: {failed}" if failed else ""))
     return 1 if failed else 0
 
 

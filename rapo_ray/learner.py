@@ -143,6 +143,33 @@ class LearnerWorker:
             out.append(res)
         return out
 
+    def update_from_stream(self, split, denominators: list[float], micro: int) -> dict:
+        """PPO update on the rows a Ray Data ``streaming_split`` iterator hands this rank.
+
+        Each row carries its mini-batch index ``mb``; the driver computed every mini-batch's global loss
+        denominator (``denominators[mb]``) before the split, so no rank needs the others' rows. Rows reach
+        ranks dynamically, so the ranks agree on each mini-batch's micro-batch count with one all-reduce
+        (max) and pad with all-masked rows: FSDP's collectives need every rank in every forward/backward.
+        """
+        import torch.distributed as dist
+
+        mine: list[list[LearnerRow]] = [[] for _ in denominators]
+        for batch in split.iter_batches(batch_size=None, batch_format="pyarrow"):
+            for rec in batch.to_pylist():
+                mine[rec["mb"]].append(LearnerRow(rec["input_ids"], rec["prompt_len"], rec["loss_mask"], rec["advantage"],
+                                                  rec["shaping"], rec["old_logprobs"]))
+        counts = torch.tensor([math.ceil(len(m) / micro) for m in mine], dtype=torch.long, device=self.device)
+        if self.world > 1:
+            dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+        filler = LearnerRow([self.pad_id, self.pad_id], 1, [0], 0.0, 1.0, [0.0])
+        minis = []
+        for k, denominator in enumerate(denominators):
+            mbs = [mine[k][i * micro:(i + 1) * micro] for i in range(int(counts[k]))]
+            minis.append(([mb if mb else [filler] for mb in mbs], denominator))
+        out = self.update(minis)
+        out["rows"] = sum(len(m) for m in mine)
+        return out
+
     def update(self, mini_batches: list[tuple[list[list[LearnerRow]], float]]) -> dict:
         """``mini_batches``: per PPO mini-batch, this rank's micro-batches and the global denominator."""
         stats: dict[str, float] = {}

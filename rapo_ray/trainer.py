@@ -46,7 +46,9 @@ def init_ray(cfg: Config) -> bool:
     env["env_vars"].update(GLOO_SOCKET_IFNAME="lo", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     rc = cfg.resources
     need = cfg.learner.world_size * rc.cpus_per_learner + cfg.rollout.max_workers * rc.cpus_per_rollout_worker
-    ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), object_store_memory=cfg.resources.object_store_mb << 20, include_dashboard=False,
+    # address='local': never join another Ray that happens to run on this machine (ray.init() without an
+    # address would); joining is what RAY_ADDRESS / resources.ray_address are for.
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), object_store_memory=cfg.resources.object_store_mb << 20, include_dashboard=False,
              _node_ip_address="127.0.0.1", runtime_env=env, log_to_driver=True)
     return True
 
@@ -328,19 +330,43 @@ class Trainer:
             order = list(range(len(lrows)))
             random.Random(self.cfg.trainer.seed * 31 + self.step_idx * 7 + epoch).shuffle(order)
             minis = [[lrows[j] for j in order[i:i + lc.mini_batch_size]] for i in range(0, len(order), lc.mini_batch_size)]
-            per_rank: list[list] = [[] for _ in range(world)]
+            denoms = []  # each mini-batch's global loss denominator, agreed before any rank computes a loss
             for mini in minis:
                 mask = torch.zeros(len(mini), max(len(r.loss_mask) for r in mini))
                 for i, r in enumerate(mini):
                     mask[i, :len(r.loss_mask)] = torch.tensor(r.loss_mask, dtype=torch.float32)
-                denom = aggregation_denominator(mask, agg)
-                split = split_for_ranks(mini, world, micro=max(1, math_ceil(len(mini), world)))
-                for rank in range(world):
-                    per_rank[rank].append((split[rank], denom))
-            stats = _gather([l.update.remote(per_rank[r]) for r, l in enumerate(self.learners)])
+                denoms.append(aggregation_denominator(mask, agg))
+            if self.cfg.trainer.learner_feed == "streaming_split":
+                stats = self._update_streaming(minis, denoms)
+            else:
+                per_rank: list[list] = [[] for _ in range(world)]
+                for mini, denom in zip(minis, denoms):
+                    split = split_for_ranks(mini, world, micro=max(1, math_ceil(len(mini), world)))
+                    for rank in range(world):
+                        per_rank[rank].append((split[rank], denom))
+                stats = _gather([l.update.remote(per_rank[r]) for r, l in enumerate(self.learners)])
             for k in stats[0]:
                 out[k] = sum(s[k] for s in stats) / world if k != "loss_sum" else sum(s[k] for s in stats)
         return out
+
+    def _update_streaming(self, minis, denoms) -> list[dict]:
+        """One epoch's mini-batches as a Ray Data dataset (one block per micro-batch's worth of rows), read by
+        the learners through ``streaming_split``; each row carries its mini-batch index."""
+        import pyarrow as pa
+
+        world = len(self.learners)
+        micro = max(1, math_ceil(self.cfg.learner.mini_batch_size, world))
+        rows = [(k, r) for k, mini in enumerate(minis) for r in mini]
+        blocks = [pa.table({"mb": [k for k, _ in chunk], "input_ids": [r.input_ids for _, r in chunk],
+                            "prompt_len": [r.prompt_len for _, r in chunk], "loss_mask": [r.loss_mask for _, r in chunk],
+                            "advantage": [float(r.advantage) for _, r in chunk], "shaping": [float(r.shaping) for _, r in chunk],
+                            "old_logprobs": [r.old_logprobs for _, r in chunk]})
+                  for chunk in (rows[i:i + micro] for i in range(0, len(rows), micro))]
+        splits = ray.data.from_arrow(blocks).streaming_split(world, equal=False)  # equal=True would drop rows
+        stats = _gather([l.update_from_stream.remote(splits[r], denoms, micro) for r, l in enumerate(self.learners)])
+        if sum(s.pop("rows") for s in stats) != len(rows):
+            raise RuntimeError("streaming_split delivered a different number of rows than the step has")
+        return stats
 
     def _push_weights(self):
         sds = _gather([l.full_state_dict.remote() for l in self.learners])

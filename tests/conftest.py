@@ -80,7 +80,8 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=6, object_store_memory=384 * 1024 * 1024, include_dashboard=False, _node_ip_address="127.0.0.1",
+        # address='local': a Ray started elsewhere on this machine (ray start, a cluster simulation) is not joined
+        ray.init(address="local", num_cpus=6, object_store_memory=384 * 1024 * 1024, include_dashboard=False, _node_ip_address="127.0.0.1",
                  runtime_env={"env_vars": LOCAL_ENV},
                  log_to_driver=False)
     yield ray

@@ -95,6 +95,86 @@ def test_torch_engine_sampling_is_seeded_and_valid(tiny_model_dir, tiny_tokenize
         engine.load_weights({"nope": torch.zeros(1)}, 1)
 
 
+def test_torch_engine_continuous_batching_matches_solo_runs(tiny_model_dir, tiny_tokenizer, prompts):
+    """Two slots for eight requests of different lengths: requests are admitted as others finish, the cache
+    slots are compacted, duplicates share a prefill, and every result equals the request run alone."""
+    model = load_model(tiny_model_dir)
+    # a 64-position cache that must grow during generation, then slots move: both inside inference mode
+    engine = TorchEngine(load_model(tiny_model_dir), tiny_tokenizer, max_batch_size=2, kv_initial_capacity=64)
+    assert engine.continuous_batching
+    batch = prompts + prompts[:2]  # two duplicates
+    params = [SamplingParams(temperature=0.0, max_new_tokens=3 + 2 * i, ignore_eos=True) for i in range(len(batch))]
+    res = engine.generate(batch, params)
+    assert engine.admitted_mid_decode >= len(batch) - 2 and engine.decoder.capacity > 64
+    for prompt, sp, r in zip(batch, params, res):
+        assert r.token_ids == hf_greedy(model, prompt, sp.max_new_tokens)
+        logp, ent = teacher_forced(model, prompt, r.token_ids)
+        assert torch.allclose(torch.tensor(r.logprobs), logp, atol=1e-4)
+        assert torch.allclose(torch.tensor(r.entropies), ent, atol=1e-4)
+
+
+def test_torch_engine_admits_requests_of_another_thread_mid_decode(tiny_model_dir, tiny_tokenizer, prompts):
+    import threading
+
+    model = load_model(tiny_model_dir)
+    engine = TorchEngine(load_model(tiny_model_dir), tiny_tokenizer, max_batch_size=8)
+    long_sp = SamplingParams(temperature=0.0, max_new_tokens=300, ignore_eos=True)
+    short_sp = SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True)
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("long", engine.generate(prompts[:1], long_sp)))
+    t.start()
+    while engine.decode_steps < 5 and t.is_alive():  # wait until the long request is decoding
+        pass
+    out["short"] = engine.generate(prompts[1:3], short_sp)
+    t.join()
+    assert engine.admitted_mid_decode >= 2
+    assert out["long"][0].token_ids == hf_greedy(model, prompts[0], 300)
+    for prompt, r in zip(prompts[1:3], out["short"]):
+        assert r.token_ids == hf_greedy(model, prompt, 5)
+
+
+def test_torch_engine_failed_step_fails_its_requests_and_engine_recovers(tiny_model_dir, tiny_tokenizer, prompts, monkeypatch):
+    engine = TorchEngine(load_model(tiny_model_dir), tiny_tokenizer, max_batch_size=2)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    good = engine.generate(prompts[:3], sp)
+    real_prefill, calls = engine.decoder.prefill, []
+
+    def flaky(first, chunk):
+        calls.append(first)
+        if len(calls) == 2:  # the second admission (mid-decode) fails
+            raise MemoryError("no room for the KV cache")
+        return real_prefill(first, chunk)
+
+    monkeypatch.setattr(engine.decoder, "prefill", flaky)
+    with pytest.raises(RuntimeError, match="generation failed: MemoryError: no room for the KV cache"):
+        engine.generate(prompts[:3], sp)
+    assert engine._live == [] and not engine._waiting  # nothing left holding a slot
+    assert [r.token_ids for r in engine.generate(prompts[:3], sp)] == [r.token_ids for r in good]
+
+
+def test_torch_engine_window_limits(tiny_model_dir, tiny_tokenizer, prompts):
+    engine = TorchEngine(load_model(tiny_model_dir), tiny_tokenizer)
+    window = engine.decoder.max_positions
+    with pytest.raises(ValueError, match=f"prompt 1 has {window} tokens; the model's window is {window}"):
+        engine.generate([prompts[0], [5] * window], SamplingParams(temperature=0.0))
+    r = engine.generate([[5] * (window - 3)], SamplingParams(temperature=0.0, max_new_tokens=50, ignore_eos=True))[0]
+    assert r.finish_reason == "length" and len(r.token_ids) == 4  # positions window-3 .. window-1, then full
+
+
+def test_torch_engine_generic_path_for_other_architectures(tiny_tokenizer, prompts):
+    """A model the slot decoder does not know (GPT-2 here) runs through the padded HF-cache path."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=len(tiny_tokenizer), n_positions=256, n_embd=32, n_layer=2, n_head=2,
+                     bos_token_id=tiny_tokenizer.bos_token_id, eos_token_id=tiny_tokenizer.eos_token_id)
+    model = GPT2LMHeadModel(cfg).eval()
+    engine = TorchEngine(GPT2LMHeadModel(cfg).eval(), tiny_tokenizer, max_batch_size=4)
+    engine.model.load_state_dict(model.state_dict())
+    assert not engine.continuous_batching and "gpt2" in engine.fallback_reason
+    check_engine_against_hf(engine, model, prompts, exact_entropy=True)
+
+
 @pytest.mark.vllm
 @pytest.mark.skipif(not vllm_available(), reason="vLLM does not import here")
 def test_vllm_engine_matches_hf(tiny_model_dir, tiny_tokenizer, prompts):

@@ -46,6 +46,40 @@ def test_round_trip_recall_and_idempotence(lite):
     store.close()
 
 
+def test_replica_index_matches_brute_force_and_milvus(lite):
+    from rapo_ray.retrieval.replica_index import ReplicaIndex
+    from rapo_ray.retrieval.store import step_rows
+
+    store = MilvusStepStore(lite, "replica", dim=16)
+    vec, steps = _unit(400, 16, 0), _steps(400)
+    store.upsert(steps, vec)
+    store.flush()
+    index = ReplicaIndex.from_store(store, batch_size=128)  # several iterator pages
+    assert len(index) == 400
+    queries = _unit(50, 16, 1)
+    brute = np.argsort(-(queries @ vec.T), axis=1)[:, :3]
+    hits = index.search(queries, top_k=3)
+    assert [[h.value for h in row] for row in hits] == [[steps[j].value for j in row] for row in brute]
+    assert np.allclose([h.score for h in hits[0]], (queries[0] @ vec.T)[brute[0]], atol=1e-5)
+    assert hits[0][0].value_ids == steps[brute[0][0]].value_ids and hits[0][0].reward == steps[brute[0][0]].reward
+    milvus = store.search(queries, top_k=1)
+    assert np.mean([m[0].value == h[0].value for m, h in zip(milvus, hits)]) >= 0.99
+    # exclusion skips every row of the query's question, even when all the best rows are that question's
+    qid = steps[brute[0][0]].question_id
+    excl = index.search(queries[:1], top_k=5, exclude_question=[qid])[0]
+    assert len(excl) == 5 and all(h.question_id != qid for h in excl)
+    # upsert semantics: same id replaces, new id appends
+    moved = vec[:1] * -1
+    index.add_rows(step_rows(steps[:1], moved))
+    assert len(index) == 400 and index.search(moved, top_k=1)[0][0].value == steps[0].value
+    index.add_rows(step_rows([StoredStep("new", "<think>new</think>", [1], 1.0, "qn", 0, "x")], _unit(1, 16, 9)))
+    assert len(index) == 401 and index.search(_unit(1, 16, 9), top_k=1)[0][0].value == "<think>new</think>"
+    with pytest.raises(ValueError, match="dim 8"):
+        index.add(["x"], np.zeros((1, 8), dtype=np.float32), [("v", "[]", 0.0, "q")])
+    assert ReplicaIndex(16).search(queries[:2], top_k=3) == [[], []]  # empty buffer: no hits, no error
+    store.close()
+
+
 def test_dimension_mismatch_is_clear(lite):
     MilvusStepStore(lite, "dims", dim=16).close()
     with pytest.raises(StoreError, match="has vector dim 16, but the embedder gives 384"):
@@ -74,7 +108,8 @@ def test_embedder_pooling_and_truncation():
         Embedder(pooling="max")
 
 
-def test_serve_app_handle_and_http(serve_url, tmp_path):
+@pytest.mark.parametrize("search_on", ["replica", "milvus"])
+def test_serve_app_handle_and_http(serve_url, tmp_path, search_on):
     import requests
     from ray import serve
 
@@ -84,7 +119,7 @@ def test_serve_app_handle_and_http(serve_url, tmp_path):
 
     server = MilvusLiteServer(tmp_path / "srv")
     try:
-        cfg = load_config(overrides=["retrieval.collection=svc", "retrieval.batch_wait_ms=5"])
+        cfg = load_config(overrides=["retrieval.collection=svc", "retrieval.batch_wait_ms=5", f"retrieval.search_on={search_on}"])
         emb = Embedder()
         steps = _steps(30)
         store = MilvusStepStore(server.uri, "svc", dim=384)

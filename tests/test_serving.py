@@ -138,6 +138,33 @@ def test_batching_engine_error_reaches_callers_and_batcher_survives():
     eng.close()
 
 
+def test_batching_engine_passes_through_to_a_continuous_engine(tiny_model_dir, tiny_tokenizer):
+    """Conversations call the torch engine directly from their threads; their turns share decode steps."""
+    from rapo_ray.engines.torch_engine import TorchEngine
+    from rapo_ray.model import load_model
+
+    inner = TorchEngine(load_model(tiny_model_dir), tiny_tokenizer)
+    eng = BatchingEngine(inner, max_batch_size=64, wait_ms=20)
+    assert eng.passthrough and eng.alive
+    prompts = [[tiny_tokenizer.bos_token_id or 1, 10 + i, 20 + i] for i in range(8)]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    solo = [r.token_ids for r in TorchEngine(load_model(tiny_model_dir), tiny_tokenizer).generate(prompts, sp)]
+    out = {}
+    threads = [threading.Thread(target=lambda i=i: out.setdefault(i, eng.generate([prompts[i]], sp)[0].token_ids)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [out[i] for i in range(8)] == solo
+    stats = eng.stats()
+    assert stats["engine_calls"] == 8 and stats["prompts"] == 8
+    assert stats["decode_rows"] / stats["decode_steps"] > 1  # turns of different conversations shared steps
+    eng.load_weights(load_model(tiny_model_dir).state_dict(), 3)
+    assert eng.version == 3
+    eng.close()
+    assert not eng.alive
+
+
 # ---------------------------------------------------------------- checkpoints
 
 

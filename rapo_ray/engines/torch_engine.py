@@ -1,28 +1,285 @@
-"""Torch inference engine: batched KV-cache sampling on any HF causal LM, exact logprobs and entropies.
+"""Torch inference engine: continuous batching over a slot KV cache, exact logprobs and entropies.
 
-The fallback where vLLM does not install, and the fast path for unit tests. Prompts are left-padded into
-batches of at most ``max_batch_size``; each decode step runs only the rows still generating (finished rows
-are evicted from the KV cache, so a batch does not pay for its longest member's tail).
+The engine where vLLM does not install (and on CPU for serving), and the fast path for unit tests.
+
+For Qwen2 / Llama / Mistral-shaped decoders (``SlotDecoder.unsupported`` says why another model is not) the
+engine keeps one preallocated KV-cache slot per live request and runs its own lean forward pass over the
+HF model's modules (embedding, norms, projections, MLP and rotary embedding are the model's own; only the
+cache and the attention call are ours). That buys two things over ``model.generate``:
+
+- **continuous batching**: a request is admitted into a free slot between two decode steps, whether it came
+  in the same ``generate`` call or from another thread while a batch was decoding; a finished request frees
+  its slot at once (the last live slot moves into the hole, so live requests are always slots ``0..n-1``
+  and the cache is read as a view, never gathered);
+- no per-step cost for HF's cache objects, mask builders and generation utilities, which dominate small
+  models on CPU.
+
+Any other causal LM runs through the generic path: left-padded batches on HF's ``DynamicCache``
+(finished rows evicted), no continuous batching.
+
+Threading: ``generate`` may be called from several threads. Whichever caller holds the step lock runs one
+scheduler step for every live request, so requests of concurrent callers share decode steps.
 """
 
 from __future__ import annotations
+
+import threading
+from collections import deque
 
 import torch
 
 from rapo_ray.engines.base import GenerationResult, InferenceEngine, SamplingParams
 
+_SLOT_MODEL_TYPES = ("qwen2", "llama", "mistral")
+
+
+class SlotDecoder:
+    """Lean forward pass of a Qwen2/Llama-shaped HF model on a per-request KV cache.
+
+    Cache layout per layer: ``k, v`` of shape [slots, kv_heads, capacity, head_dim]; capacity grows by
+    doubling (up to ``max_position_embeddings``) when a request needs more positions. Memory is therefore
+    slots x the longest live sequence: for long contexts on big models, lower ``max_batch_size`` (vLLM's
+    paged cache is the engine for those).
+    """
+
+    def __init__(self, model, max_slots: int, initial_capacity: int = 256):
+        self.model = model
+        cfg = model.config
+        self.layers = list(model.model.layers)
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.max_positions = int(cfg.max_position_embeddings)
+        self.max_slots = max_slots
+        p = next(model.parameters())
+        self.dtype, self.device = p.dtype, p.device
+        self.capacity = 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.ensure_capacity(min(initial_capacity, self.max_positions))
+
+    @staticmethod
+    def unsupported(model) -> str | None:
+        """Why this model cannot use the slot decoder (None if it can)."""
+        cfg = getattr(model, "config", None)
+        if cfg is None or getattr(cfg, "model_type", None) not in _SLOT_MODEL_TYPES:
+            return f"model_type {getattr(cfg, 'model_type', None)!r} is not one of {_SLOT_MODEL_TYPES}"
+        if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
+            return "sliding-window attention layers"
+        inner = getattr(model, "model", None)
+        if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+            return "unexpected module layout"
+        layer = inner.layers[0]
+        if not all(hasattr(layer, a) for a in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")):
+            return "unexpected decoder-layer layout"
+        if not all(hasattr(layer.self_attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")):
+            return "unexpected attention layout"
+        return None
+
+    @torch.inference_mode()  # the cache is made of inference tensors; every write to it runs in this mode
+    def ensure_capacity(self, positions: int) -> None:
+        if positions > self.max_positions:
+            raise ValueError(f"{positions} positions exceed the model's max_position_embeddings={self.max_positions}")
+        if positions <= self.capacity:
+            return
+        new = min(self.max_positions, max(positions, 2 * self.capacity, 64))
+        shape = (self.max_slots, self.n_kv, new, self.head_dim)
+        for i in range(len(self.layers)):
+            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            if self.capacity:
+                k[:, :, : self.capacity] = self.k[i]
+                v[:, :, : self.capacity] = self.v[i]
+            if i < len(self.k):
+                self.k[i], self.v[i] = k, v
+            else:
+                self.k.append(k)
+                self.v.append(v)
+        self.capacity = new
+
+    @torch.inference_mode()
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        for k, v in zip(self.k, self.v):
+            k[dst, :, :length] = k[src, :, :length]
+            v[dst, :, :length] = v[src, :, :length]
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    def _layers(self, x: torch.Tensor, position_ids: torch.Tensor, write, read_kv, mask: torch.Tensor | None) -> torch.Tensor:
+        """x [B, T, hidden]; ``write(i, k, v)`` stores new keys/values, ``read_kv(i, k, v)`` returns the keys and
+        values to attend to; ``mask`` [B, 1, T, S] (True = attend), or None for plain causal attention."""
+        cos, sin = self.model.model.rotary_emb(x, position_ids)  # [B, T, head_dim]
+        cos, sin = cos[:, None], sin[:, None]
+        B, T, _ = x.shape
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+            k = attn.k_proj(h).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+            v = attn.v_proj(h).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            write(i, k, v)
+            keys, values = read_kv(i, k, v)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, is_causal=mask is None, scale=self.scaling, enable_gqa=self.n_kv != self.n_heads
+            )
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return x
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.model.model.norm(hidden))
+
+    @torch.inference_mode()
+    def prefill(self, first_slot: int, prompts: list[list[int]]) -> torch.Tensor:
+        """Write ``prompts`` into slots ``first_slot..first_slot+m-1``; logits at each prompt's last token [m, V].
+
+        Work shared between prompts is done once: identical prompts (a GRPO group's first turn) are computed
+        once and their cache copied, and the longest prefix common to the distinct ones (the system prompt)
+        is computed once at batch 1 and copied into every slot before the rest is prefilled. Duplicates must
+        come after the first occurrence of their prompt (``TorchEngine`` orders them so).
+        """
+        m = len(prompts)
+        first_of: dict[tuple, int] = {}
+        source = [first_of.setdefault(tuple(p), len(first_of)) for p in prompts]
+        u = len(first_of)
+        if source[:u] != list(range(u)):
+            raise ValueError("prefill: every distinct prompt must appear before its duplicates")
+        distinct = prompts[:u]
+        self.ensure_capacity(max(len(p) for p in distinct) + 1)
+        shared = 0
+        if u > 1:
+            shortest = min(len(p) for p in distinct)
+            while shared < shortest - 1 and all(p[shared] == distinct[0][shared] for p in distinct):
+                shared += 1
+            if shared < self.min_shared_prefix:
+                shared = 0
+        if shared:
+            self._extend(first_slot, [distinct[0][:shared]], 0)
+            for r in range(1, u):
+                self.move_slot(first_slot, first_slot + r, shared)
+        logits = self._extend(first_slot, [p[shared:] for p in distinct], shared)
+        for r in range(u, m):
+            self.move_slot(first_slot + source[r], first_slot + r, len(prompts[r]))
+        return logits[source]
+
+    min_shared_prefix = 8  # shorter common prefixes are not worth the extra batch-1 pass
+
+    def _extend(self, first_slot: int, chunks: list[list[int]], start: int) -> torch.Tensor:
+        """Append ``chunks`` (right-padded) at cache positions ``start..`` of slots ``first_slot..``, whose
+        positions ``< start`` already hold their keys and values; logits at each chunk's last token [B, V]."""
+        B, T = len(chunks), max(len(c) for c in chunks)
+        ids = torch.zeros((B, T), dtype=torch.long)
+        for r, c in enumerate(chunks):
+            ids[r, : len(c)] = torch.tensor(c, dtype=torch.long)
+        ids = ids.to(self.device)
+        lengths = torch.tensor([len(c) for c in chunks], device=self.device)
+        slots = slice(first_slot, first_slot + B)
+        q_pos = torch.arange(T, device=self.device)
+        if start == 0:
+            # Causal attention alone is exact: with right padding, a key past a row's own tokens is only
+            # visible to query positions past them too, whose outputs are never read (decode overwrites
+            # those cache entries before any real query attends to them).
+            mask = None
+        else:  # every query sees the whole cached prefix, then the chunk causally (same argument for padding)
+            k_pos = torch.arange(start + T, device=self.device)
+            mask = ((k_pos[None, :] < start) | (k_pos[None, :] - start <= q_pos[:, None]))[None, None]
+
+        def write(i, k, v):
+            self.k[i][slots, :, start : start + T] = k
+            self.v[i][slots, :, start : start + T] = v
+
+        def read(i, k, v):
+            if start == 0:
+                return k, v
+            return self.k[i][slots, :, : start + T], self.v[i][slots, :, : start + T]
+
+        x = self.model.model.embed_tokens(ids)
+        hidden = self._layers(x, (start + q_pos)[None].expand(B, T), write, read, mask)
+        return self._logits(hidden[torch.arange(B, device=self.device), lengths - 1])
+
+    @torch.inference_mode()
+    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One token for each of slots ``0..n-1`` at ``positions``; next-token logits [n, V]."""
+        n = len(tokens)
+        span = max(positions) + 1
+        self.ensure_capacity(span)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        rows = torch.arange(n, device=self.device)
+        mask = (torch.arange(span, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
+
+        def write(i, k, v):
+            self.k[i][rows, :, pos] = k[:, :, 0]
+            self.v[i][rows, :, pos] = v[:, :, 0]
+
+        def read(i, k, v):
+            return self.k[i][:n, :, :span], self.v[i][:n, :, :span]
+
+        x = self.model.model.embed_tokens(ids)
+        hidden = self._layers(x, pos[:, None], write, read, mask)
+        return self._logits(hidden[:, -1])
+
+
+class _Request:
+    __slots__ = ("prompt", "params", "tokens", "logprobs", "entropies", "result", "error")
+
+    def __init__(self, prompt: list[int], params: SamplingParams):
+        self.prompt, self.params = prompt, params
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.entropies: list[float] = []
+        self.result: GenerationResult | None = None
+        self.error: BaseException | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self.result is None and self.error is None
+
+    @property
+    def position(self) -> int:
+        """Cache position of the newest sampled token (written by the next decode step); also the number
+        of positions already in the cache."""
+        return len(self.prompt) + len(self.tokens) - 1
+
 
 class TorchEngine(InferenceEngine):
     name = "torch"
 
-    def __init__(self, model, tokenizer, max_batch_size: int = 64, device: str = "cpu"):
+    def __init__(self, model, tokenizer, max_batch_size: int = 64, device: str = "cpu", prefill_token_budget: int = 16384,
+                 kv_initial_capacity: int = 256):
         super().__init__()
         self.model = model.to(device).eval()
         self.tokenizer = tokenizer
         self.device = device
         self.max_batch_size = max_batch_size
+        self.prefill_token_budget = prefill_token_budget
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.eos_id = tokenizer.eos_token_id
+        self.fallback_reason = SlotDecoder.unsupported(self.model)
+        self.decoder = SlotDecoder(self.model, max_batch_size, kv_initial_capacity) if self.fallback_reason is None else None
+        self._waiting: deque[_Request] = deque()
+        self._live: list[_Request] = []  # _live[s] occupies cache slot s
+        self._admitting: list[_Request] = []
+        self._queue_lock = threading.Lock()
+        self._step_lock = threading.Lock()
+        self._gen = torch.Generator(device="cpu")  # unseeded calls continue a stream drawn from torch's global RNG
+        self._gen.manual_seed(int(torch.randint(0, 2**62, (1,)).item()))
+        # statistics: decode steps, rows they decoded (mean batch = rows / steps), and requests admitted
+        # while others were mid-decode
+        self.decode_steps = 0
+        self.decode_rows = 0
+        self.admitted_mid_decode = 0
+
+    @property
+    def continuous_batching(self) -> bool:
+        return self.decoder is not None
 
     # ------------------------------------------------------------ weights
 
@@ -35,10 +292,10 @@ class TorchEngine(InferenceEngine):
         missing = sorted(set(own) - set(state_dict) - tied)
         if missing:
             raise KeyError(f"load_weights: state dict lacks {missing[:5]}")
-        with torch.no_grad():
+        with self._step_lock, torch.no_grad():  # never between two decode steps of a live request
             for name, tensor in state_dict.items():
                 own[name].copy_(tensor.to(own[name].dtype))
-        self.version = int(version)
+            self.version = int(version)
 
     # ------------------------------------------------------------ generation
 
@@ -47,6 +304,115 @@ class TorchEngine(InferenceEngine):
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty")
+        if self.decoder is None:
+            return self._generate_padded(prompts, per)
+        for i, p in enumerate(prompts):
+            if len(p) >= self.decoder.max_positions:
+                raise ValueError(f"prompt {i} has {len(p)} tokens; the model's window is {self.decoder.max_positions}")
+        reqs = [_Request(list(p), sp) for p, sp in zip(prompts, per)]
+        with self._queue_lock:
+            if per and per[0].seed is not None:
+                # Reproducible for one caller; concurrent callers share the generator by design.
+                self._gen.manual_seed(per[0].seed)
+            self._waiting.extend(reqs)
+        while any(r.pending for r in reqs):
+            with self._step_lock:  # the holder steps every live request, its own and other callers'
+                if any(r.pending for r in reqs):
+                    try:
+                        self._step()
+                    except BaseException as exc:
+                        self._fail_all(exc)
+        failed = next((r.error for r in reqs if r.error is not None), None)
+        if failed is not None:
+            raise RuntimeError(f"generation failed: {type(failed).__name__}: {failed}") from failed
+        return [r.result for r in reqs]
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """A failed step fails every request in flight (each caller raises); the engine stays usable."""
+        with self._queue_lock:
+            doomed = self._live + self._admitting + list(self._waiting)
+            self._waiting.clear()
+        for r in doomed:
+            if r.pending:
+                r.error = exc
+        self._live, self._admitting = [], []
+
+    @torch.inference_mode()
+    def _step(self) -> None:
+        """Decode one token for every live request, then admit waiting requests into free slots."""
+        if self._live:
+            logits = self.decoder.decode([r.tokens[-1] for r in self._live], [r.position for r in self._live])
+            self.decode_steps += 1
+            self.decode_rows += len(self._live)
+            self._consume(self._live, logits)
+            self._release_finished()
+        with self._queue_lock:
+            free = self.max_batch_size - len(self._live)
+            admitted = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+            self._admitting = admitted  # neither waiting nor live until prefilled: _fail_all must see them
+        if not admitted:
+            return
+        if self._live:
+            self.admitted_mid_decode += len(admitted)
+        admitted.sort(key=lambda r: len(r.prompt))  # similar lengths share a prefill chunk: little padding
+        chunks, cur = [], []
+        for r in admitted:
+            if cur and (len(cur) + 1) * len(r.prompt) > self.prefill_token_budget:
+                chunks.append(cur)
+                cur = []
+            cur.append(r)
+        chunks.append(cur)
+        for chunk in chunks:
+            seen: set[tuple] = set()  # first occurrences of each prompt, then duplicates (prefill's contract)
+            firsts, dups = [], []
+            for r in chunk:
+                (dups if tuple(r.prompt) in seen else firsts).append(r)
+                seen.add(tuple(r.prompt))
+            chunk = firsts + dups
+            first = len(self._live)
+            self._live.extend(chunk)
+            logits = self.decoder.prefill(first, [r.prompt for r in chunk])
+            self._consume(chunk, logits)
+        self._admitting = []
+        self._release_finished()
+
+    def _consume(self, reqs: list[_Request], logits: torch.Tensor) -> None:
+        """Sample one token per request from its logits row and record it; finished requests get a result."""
+        logits = logits.float()
+        logp_full = torch.log_softmax(logits, dim=-1)
+        entropy = -(logp_full.exp() * logp_full).sum(-1)
+        temps = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32)
+        top_ps = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32)
+        token = self._sample(logits, temps, top_ps, self._gen)
+        chosen = logp_full.gather(-1, token[:, None])[:, 0]
+        for r, t, lp, h in zip(reqs, token.tolist(), chosen.tolist(), entropy.tolist()):
+            r.tokens.append(t)
+            r.logprobs.append(lp)
+            r.entropies.append(h)
+            reason = self._stop_reason(r.tokens, r.params)
+            if reason is not None:
+                self._finish(r, "stop", reason)
+            elif len(r.tokens) >= r.params.max_new_tokens or r.position >= self.decoder.max_positions:
+                self._finish(r, "length", None)
+
+    @staticmethod
+    def _finish(r: _Request, reason: str, stop) -> None:
+        r.result = GenerationResult(r.tokens, r.logprobs, r.entropies, reason, stop, entropy_is_estimate=False)
+
+    def _release_finished(self) -> None:
+        """Drop finished requests and close the holes they leave, so live requests stay in slots 0..n-1."""
+        live = self._live
+        n = sum(r.result is None for r in live)
+        holes = [s for s in range(n) if live[s].result is not None]
+        movers = [s for s in range(n, len(live)) if live[s].result is None]
+        for hole, src in zip(holes, movers):
+            self.decoder.move_slot(src, hole, live[src].position)
+            live[hole] = live[src]
+        del live[n:]
+
+    # ------------------------------------------------------------ generic path (any causal LM)
+
+    def _generate_padded(self, prompts, per):
         results: list[GenerationResult | None] = [None] * len(prompts)
         # Sort by length so batches pad little; results go back to their original positions.
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -90,11 +456,10 @@ class TorchEngine(InferenceEngine):
             token = self._sample(logits, temps[active], top_ps[active], gen)
             chosen_logp = logp_full.gather(-1, token[:, None])[:, 0]
             keep = []
-            for r, row in enumerate(active):
-                t = int(token[r])
+            for r, (row, t, lp, h) in enumerate(zip(active, token.tolist(), chosen_logp.tolist(), entropy.tolist())):
                 out_tokens[row].append(t)
-                out_logp[row].append(float(chosen_logp[r]))
-                out_ent[row].append(float(entropy[r]))
+                out_logp[row].append(lp)
+                out_ent[row].append(h)
                 reason = self._stop_reason(out_tokens[row], params[row])
                 if reason is not None:
                     finish[row] = ("stop", reason)

@@ -25,15 +25,21 @@ def _as_dict(hit: RetrievedStep) -> dict:
 @serve.deployment(name="StepRetriever", ray_actor_options={"num_cpus": 0})
 class StepRetrieverService:
     def __init__(self, uri: str, collection: str, token: str = "", pooling: str = "last", max_chars: int = 1300,
-                 top_k: int = 3, max_batch_size: int = 256, batch_wait_ms: float = 100.0, batching: bool = True):
+                 top_k: int = 3, max_batch_size: int = 256, batch_wait_ms: float = 5.0, batching: bool = True,
+                 search_on: str = "replica"):
         import torch
 
         torch.set_num_threads(1)
         from rapo_ray.retrieval.embedder import Embedder
+        from rapo_ray.retrieval.replica_index import ReplicaIndex
         from rapo_ray.retrieval.store import MilvusStepStore
 
+        if search_on not in ("replica", "milvus"):
+            raise ValueError(f"retrieval.search_on={search_on!r}; valid: replica, milvus")
         self.embedder = Embedder(pooling=pooling, max_chars=max_chars)
         self.store = MilvusStepStore(uri, collection, self.embedder.dim, token=token, create=True)
+        # Searches go to an in-memory copy (exact, milliseconds) or to Milvus's HNSW index.
+        self.index = ReplicaIndex.from_store(self.store) if search_on == "replica" else None
         self.top_k = top_k
         self.batching = batching
         self._batched.set_max_batch_size(max_batch_size)
@@ -51,7 +57,7 @@ class StepRetrieverService:
         excl = []
         for queries, _, qids in items:
             excl.extend(qids if qids else [None] * len(queries))
-        hits = self.store.search(vectors, top, exclude_question=excl if any(excl) else None)
+        hits = (self.index or self.store).search(vectors, top, exclude_question=excl if any(excl) else None)
         out: list[list[list[dict]]] = [[] for _ in items]
         for owner, row in zip(owners, hits):
             out[owner].append([_as_dict(h) for h in row[: items[owner][1]]])
@@ -75,11 +81,16 @@ class StepRetrieverService:
         successful on-policy steps during training. Idempotent: a step already stored is not added twice."""
         from rapo_ray.agent.retriever import StoredStep
 
-        rows = [StoredStep(**s) for s in steps]
-        if not rows:
+        from rapo_ray.retrieval.store import step_rows
+
+        stored = [StoredStep(**s) for s in steps]
+        if not stored:
             return 0
-        n = self.store.upsert(rows, self.embedder.embed([r.key for r in rows]))
+        rows = step_rows(stored, self.embedder.embed([r.key for r in stored]))
+        n = self.store.upsert_rows(rows)
         self.store.flush()
+        if self.index is not None:
+            self.index.add_rows(rows)
         return n
 
     def sample(self, n: int, seed: int = 0) -> list[dict]:
@@ -112,7 +123,7 @@ def build_app(rcfg, uri: str, batching: bool = True):
                             "target_ongoing_requests": rcfg.target_ongoing_requests},
         max_ongoing_requests=max(rcfg.max_batch_size, 64),
     ).bind(uri, rcfg.collection, rcfg.milvus_token, rcfg.pooling, rcfg.query_max_chars, rcfg.top_k,
-           rcfg.max_batch_size, rcfg.batch_wait_ms, batching)
+           rcfg.max_batch_size, rcfg.batch_wait_ms, batching, rcfg.search_on)
 
 
 class HandleStepRetriever:

@@ -58,6 +58,15 @@ def _connect(uri: str, token: str = "", timeout_s: float = 10.0):
         raise StoreError(f"cannot connect to Milvus at {uri}: {type(exc).__name__}: {exc}") from None
 
 
+def step_rows(steps: Sequence[StoredStep], vectors: np.ndarray) -> list[dict]:
+    """Collection rows for ``steps`` and their key vectors (texts cut to the schema's limits)."""
+    return [{
+        "id": step_id(s), "vector": v.astype(np.float32).tolist(), "key": s.key[-MAX_TEXT // 4:],
+        "value": s.value[: MAX_TEXT // 4], "value_ids": json.dumps(list(s.value_ids))[: MAX_TEXT - 1],
+        "reward": float(s.reward), "source": s.source[:255], "question_id": s.question_id[:255], "step_index": int(s.step_index),
+    } for s, v in zip(steps, vectors)]
+
+
 @dataclass
 class StoreStats:
     rows: int
@@ -110,11 +119,10 @@ class MilvusStepStore:
             return 0
         if vectors.shape[1] != self.dim:
             raise StoreError(f"vectors have dim {vectors.shape[1]}, collection {self.collection!r} has {self.dim}")
-        rows = [{
-            "id": step_id(s), "vector": v.astype(np.float32).tolist(), "key": s.key[-MAX_TEXT // 4:],
-            "value": s.value[: MAX_TEXT // 4], "value_ids": json.dumps(list(s.value_ids))[: MAX_TEXT - 1],
-            "reward": float(s.reward), "source": s.source[:255], "question_id": s.question_id[:255], "step_index": int(s.step_index),
-        } for s, v in zip(steps, vectors)]
+        return self.upsert_rows(step_rows(steps, vectors))
+
+    def upsert_rows(self, rows: list[dict]) -> int:
+        """Upsert rows built by ``step_rows`` (a replica that keeps a ``ReplicaIndex`` adds the same rows to it)."""
         self.client.upsert(self.collection, rows)
         return len(rows)
 

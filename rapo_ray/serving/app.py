@@ -98,7 +98,7 @@ class AgentServer:
     @api.get("/health")
     def health(self):
         return {"status": "ok", "model": self.model_name, "checkpoint": self.model_dir, "requests": self.requests,
-                "failures": self.failures, "engine_calls": self.engine.engine_calls, "prompts": self.engine.prompts_served}
+                "failures": self.failures, **self.engine.stats()}
 
     @api.get("/v1/models")
     def models(self, request: Request):

@@ -4,7 +4,12 @@ Every conversation in a serving replica runs its own agent loop in its own threa
 calls ``generate`` for one prompt; ``BatchingEngine`` queues that call, and one batcher thread takes every
 call that arrives within ``wait_ms`` of the first (up to ``max_batch_size`` prompts) and runs them through
 the wrapped engine together. The wrapped engine is only ever used by the batcher thread, so engines that
-are not thread-safe (the torch engine) are fine.
+need not be thread-safe are fine.
+
+An engine that batches continuously itself (``continuous_batching`` is true: the torch engine on
+Qwen2/Llama-shaped models) is called directly from each conversation's thread instead: it admits a new
+turn into the running batch at the next decode step, where the batcher would hold it until the whole
+current engine call finished.
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ class BatchingEngine(InferenceEngine):
         self._closed = False
         self.engine_calls = 0  # statistics: engine calls and prompts they carried
         self.prompts_served = 0
+        self.passthrough = bool(getattr(engine, "continuous_batching", False))
         self._thread = threading.Thread(target=self._loop, name="engine-batcher", daemon=True)
-        self._thread.start()
+        if not self.passthrough:
+            self._thread.start()
 
     @property
     def version(self) -> int:
@@ -47,6 +54,12 @@ class BatchingEngine(InferenceEngine):
             raise RuntimeError("BatchingEngine is closed")
         if not prompts:
             return []
+        if self.passthrough:
+            results = self.inner.generate(prompts, params)
+            with self._lock:
+                self.engine_calls += 1
+                self.prompts_served += len(prompts)
+            return results
         fut: Future = Future()
         self._queue.put((list(prompts), self._per_prompt(params, len(prompts)), fut))
         return fut.result()
@@ -54,16 +67,27 @@ class BatchingEngine(InferenceEngine):
     @property
     def alive(self) -> bool:
         """The batcher thread is running (a replica's health check)."""
-        return self._thread.is_alive()
+        return not self._closed if self.passthrough else self._thread.is_alive()
+
+    def stats(self) -> dict:
+        """Engine calls and prompts; for a continuous engine also its decode steps and their mean batch."""
+        out = {"engine_calls": self.engine_calls, "prompts": self.prompts_served}
+        if self.passthrough:
+            out["decode_steps"], out["decode_rows"] = self.inner.decode_steps, self.inner.decode_rows
+        return out
 
     def load_weights(self, state_dict: dict, version: int) -> None:
+        if self.passthrough:  # the engine's own step lock keeps the update between decode steps
+            self.inner.load_weights(state_dict, version)
+            return
         with self._lock:
             self.inner.load_weights(state_dict, version)
 
     def close(self) -> None:
         self._closed = True
-        self._queue.put(None)
-        self._thread.join(timeout=30)
+        if not self.passthrough:
+            self._queue.put(None)
+            self._thread.join(timeout=30)
         self.inner.close()
 
     def _collect(self, first) -> list:

@@ -1,0 +1,93 @@
+"""Exact inner-product search over an in-memory copy of a Milvus step collection.
+
+Milvus stays the buffer's store of record (the builder writes it, inserts go to it, other processes read it);
+a retrieval replica with ``retrieval.search_on=replica`` loads the collection's vectors and payloads once at
+start-up and answers searches with one matrix product, keeping its copy current with its own inserts. Why:
+on this 2-core box a milvus-lite search over 50k steps took ~0.3 s after a flush (~1.8 s before one), while
+the product over 50k x 384 float32 vectors takes milliseconds and is exact (recall 1 by construction). The
+copy costs ~1.6 KB of vector plus the payload text per step: fine up to a few million steps; beyond that,
+search in Milvus (``search_on=milvus``: HNSW on a Milvus server).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Sequence
+
+import numpy as np
+
+from rapo_ray.agent.retriever import RetrievedStep
+
+_FIELDS = ["id", "vector", "value", "value_ids", "reward", "question_id"]
+
+
+class ReplicaIndex:
+    def __init__(self, dim: int):
+        self.dim = dim
+        self._vectors = np.zeros((0, dim), dtype=np.float32)
+        self._n = 0
+        self._row_of: dict[str, int] = {}
+        self._payload: list[tuple[str, str, float, str]] = []  # value, value_ids JSON, reward, question_id
+
+    @classmethod
+    def from_store(cls, store, batch_size: int = 2000) -> "ReplicaIndex":
+        """Copy every row of ``store``'s collection (a ``MilvusStepStore``) into memory."""
+        index = cls(store.dim)
+        it = store.client.query_iterator(store.collection, batch_size=batch_size, filter="", output_fields=_FIELDS)
+        try:
+            while rows := it.next():
+                index.add_rows(rows)
+        finally:
+            it.close()
+        return index
+
+    def add_rows(self, rows: Sequence[dict]) -> None:
+        """Add collection rows (``store.step_rows`` output, or rows read back from Milvus)."""
+        self.add([r["id"] for r in rows], np.asarray([r["vector"] for r in rows], dtype=np.float32).reshape(len(rows), -1),
+                 [(r["value"], r["value_ids"], float(r["reward"]), r["question_id"]) for r in rows])
+
+    def __len__(self) -> int:
+        return self._n
+
+    def add(self, ids: Sequence[str], vectors: np.ndarray, payloads: Sequence[tuple[str, str, float, str]]) -> None:
+        """Insert or replace rows by id (the same upsert semantics as the collection)."""
+        if not (len(ids) == len(vectors) == len(payloads)):
+            raise ValueError(f"{len(ids)} ids, {len(vectors)} vectors and {len(payloads)} payloads")
+        if len(ids) and vectors.shape[1] != self.dim:
+            raise ValueError(f"vectors have dim {vectors.shape[1]}, the index has {self.dim}")
+        for i, v, p in zip(ids, vectors, payloads):
+            row = self._row_of.get(i)
+            if row is None:
+                row = self._row_of[i] = self._n
+                self._n += 1
+                self._payload.append(p)
+                if self._n > len(self._vectors):
+                    grown = np.zeros((max(2 * len(self._vectors), 1024), self.dim), dtype=np.float32)
+                    grown[: row] = self._vectors[: row]
+                    self._vectors = grown
+            else:
+                self._payload[row] = p
+            self._vectors[row] = v
+
+    def search(self, vectors: np.ndarray, top_k: int = 3, exclude_question: Sequence[str | None] | None = None) -> list[list[RetrievedStep]]:
+        """Top-k rows by inner product per query, best first; rows of ``exclude_question[i]`` skipped for query i."""
+        if len(vectors) == 0:
+            return []
+        if self._n == 0:
+            return [[] for _ in vectors]
+        scores = np.asarray(vectors, dtype=np.float32) @ self._vectors[: self._n].T  # [Q, N]
+        out = []
+        for q, row_scores in enumerate(scores):
+            excluded = exclude_question[q] if exclude_question else None
+            want = top_k + (64 if excluded else 0)
+            while True:
+                take = min(want, self._n)
+                cand = np.argpartition(-row_scores, take - 1)[:take] if take < self._n else np.arange(self._n)
+                cand = cand[np.argsort(-row_scores[cand], kind="stable")]
+                hits = [int(r) for r in cand if not (excluded and self._payload[r][3] == excluded)][:top_k]
+                if len(hits) == top_k or take == self._n:
+                    break
+                want *= 4  # many of the best rows belonged to the excluded question
+            out.append([RetrievedStep(self._payload[r][0], json.loads(self._payload[r][1]), float(row_scores[r]),
+                                      self._payload[r][2], self._payload[r][3]) for r in hits])
+        return out
