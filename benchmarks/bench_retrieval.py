@@ -26,6 +26,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from benchmarks.load import percentile_ms, run_clients  # noqa: E402
 from rapo_ray.net import free_port  # noqa: E402
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -61,17 +62,10 @@ def closed_loop(call, clients: int, seconds: float, query_chars: int = 0) -> dic
                     errors[0] += 1
             i += 1
 
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
-    t0 = time.perf_counter()
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    wall = time.perf_counter() - t0
+    wall = run_clients(client, clients)
     lat.sort()
     return {"clients": clients, "requests": len(lat), "errors": errors[0], "rps": len(lat) / wall,
-            "p50_ms": 1000 * lat[len(lat) // 2] if lat else float("nan"),
-            "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else float("nan")}
+            "p50_ms": percentile_ms(lat, 0.50), "p99_ms": percentile_ms(lat, 0.99)}
 
 
 def main() -> int:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from benchmarks.load import percentile_ms, run_clients  # noqa: E402
 from rapo_ray.net import free_port  # noqa: E402
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -55,20 +56,10 @@ def closed_loop(client, questions, clients: int, seconds: float, max_tokens: int
                     errors.append(f"{type(exc).__name__}: {exc}"[:200])
             i += clients
 
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(clients)]
-    t0 = time.perf_counter()
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    wall = time.perf_counter() - t0
+    wall = run_clients(run, clients)
     lat.sort()
-
-    def pct(q):
-        return lat[min(len(lat) - 1, int(q * len(lat)))] * 1000 if lat else float("nan")
-
     return {"clients": clients, "requests": len(lat), "seconds": round(wall, 1), "requests_per_s": round(len(lat) / wall, 2),
-            "p50_ms": round(pct(0.50), 1), "p99_ms": round(pct(0.99), 1), "errors": len(errors), "error_samples": errors[:3],
+            "p50_ms": round(percentile_ms(lat, 0.50), 1), "p99_ms": round(percentile_ms(lat, 0.99), 1), "errors": len(errors), "error_samples": errors[:3],
             "tool_calls_per_request": round(sum(tools) / max(len(tools), 1), 2), "accuracy": round(sum(correct) / max(len(correct), 1), 3)}
 
 
