@@ -376,14 +376,15 @@ class TorchEngine(InferenceEngine):
         self._admitting = []
         self._release_finished()
 
-    def _consume(self, reqs: list[_Request], logits: torch.Tensor) -> None:
-        """Sample one token per request from its logits row and record it; finished requests get a result."""
+    def _consume(self, reqs: list[_Request], logits: torch.Tensor, gen: torch.Generator | None = None) -> None:
+        """Sample one token per request from its logits row (with ``gen``, else the engine's generator) and
+        record it; finished requests get a result. Both the slot and the generic path end every step here."""
         logits = logits.float()
         logp_full = torch.log_softmax(logits, dim=-1)
         entropy = -(logp_full.exp() * logp_full).sum(-1)
         temps = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32)
         top_ps = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32)
-        token = self._sample(logits, temps, top_ps, self._gen)
+        token = self._sample(logits, temps, top_ps, gen or self._gen)
         chosen = logp_full.gather(-1, token[:, None])[:, 0]
         for r, t, lp, h in zip(reqs, token.tolist(), chosen.tolist(), entropy.tolist()):
             r.tokens.append(t)
@@ -392,7 +393,7 @@ class TorchEngine(InferenceEngine):
             reason = self._stop_reason(r.tokens, r.params)
             if reason is not None:
                 self._finish(r, "stop", reason)
-            elif len(r.tokens) >= r.params.max_new_tokens or r.position >= self.decoder.max_positions:
+            elif len(r.tokens) >= r.params.max_new_tokens or (self.decoder is not None and r.position >= self.decoder.max_positions):
                 self._finish(r, "length", None)
 
     @staticmethod
@@ -440,42 +441,23 @@ class TorchEngine(InferenceEngine):
         gen = torch.Generator(device="cpu")
         seed = params[0].seed
         gen.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
-        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-        top_ps = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-        out_tokens: list[list[int]] = [[] for _ in range(B)]
-        out_logp: list[list[float]] = [[] for _ in range(B)]
-        out_ent: list[list[float]] = [[] for _ in range(B)]
-        finish: list[tuple[str, object] | None] = [None] * B
-        active = list(range(B))  # original row of each live cache row
+        reqs = [_Request(list(p), sp) for p, sp in zip(prompts, params)]
+        active = list(range(B))  # request of each live cache row
         next_pos = pos[:, -1] + 1
 
-        while active:
-            logits = logits.float()
-            logp_full = torch.log_softmax(logits, dim=-1)
-            entropy = -(logp_full.exp() * logp_full).sum(-1)
-            token = self._sample(logits, temps[active], top_ps[active], gen)
-            chosen_logp = logp_full.gather(-1, token[:, None])[:, 0]
-            keep = []
-            for r, (row, t, lp, h) in enumerate(zip(active, token.tolist(), chosen_logp.tolist(), entropy.tolist())):
-                out_tokens[row].append(t)
-                out_logp[row].append(lp)
-                out_ent[row].append(h)
-                reason = self._stop_reason(out_tokens[row], params[row])
-                if reason is not None:
-                    finish[row] = ("stop", reason)
-                elif len(out_tokens[row]) >= params[row].max_new_tokens:
-                    finish[row] = ("length", None)
-                else:
-                    keep.append(r)
+        while True:
+            self._consume([reqs[row] for row in active], logits, gen)
+            keep = [r for r, row in enumerate(active) if reqs[row].pending]
             if not keep:
                 break
             if len(keep) < len(active):
                 cache.batch_select_indices(torch.tensor(keep, device=self.device))
-                attn, next_pos, token = attn[keep], next_pos[keep], token[keep]
+                attn, next_pos = attn[keep], next_pos[keep]
                 active = [active[r] for r in keep]
+            token = torch.tensor([reqs[row].tokens[-1] for row in active], dtype=torch.long, device=self.device)
             attn = torch.cat([attn, torch.ones((len(active), 1), dtype=attn.dtype, device=self.device)], dim=1)
             logits = self.model(
-                input_ids=token[:, None].to(self.device),
+                input_ids=token[:, None],
                 attention_mask=attn,
                 position_ids=next_pos[:, None],
                 past_key_values=cache,
@@ -483,10 +465,7 @@ class TorchEngine(InferenceEngine):
             ).logits[:, -1, :]
             next_pos = next_pos + 1
 
-        return [
-            GenerationResult(out_tokens[i], out_logp[i], out_ent[i], finish[i][0], finish[i][1], entropy_is_estimate=False)
-            for i in range(B)
-        ]
+        return [r.result for r in reqs]
 
     @staticmethod
     def _sample(logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
