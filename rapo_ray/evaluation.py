@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from rapo_ray.agent.loop import AgentLoop, LoopSettings, Task
@@ -53,6 +54,21 @@ def evaluate(engine, tokenizer, tools, tasks_by_family: dict[str, list[Task]], c
             mean_response_tokens=sum(len(t.response_ids) for t in trajs) / n,
         )
     return out
+
+
+def paired_change(before: dict[str, bool], after: dict[str, bool]) -> dict:
+    """Before/after correctness of the same held-out problems: how many flipped each way and the exact
+    two-sided sign-test p-value (McNemar's exact test) of "training changed nothing".
+
+    before, after: problem id -> correct. Only problems in both count.
+    Returns {"n", "fixed" (wrong -> right), "broken" (right -> wrong), "gain" (accuracy points), "p_value"}.
+    """
+    ids = sorted(set(before) & set(after))
+    fixed = sum(1 for i in ids if after[i] and not before[i])
+    broken = sum(1 for i in ids if before[i] and not after[i])
+    flips = fixed + broken
+    tail = sum(math.comb(flips, k) for k in range(min(fixed, broken) + 1)) / 2**flips if flips else 1.0
+    return {"n": len(ids), "fixed": fixed, "broken": broken, "gain": (fixed - broken) / max(len(ids), 1), "p_value": min(1.0, 2 * tail)}
 
 
 def format_table(results: dict[str, FamilyResult], title: str = "") -> str:

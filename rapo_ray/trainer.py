@@ -381,6 +381,7 @@ class Trainer:
         limit = limit or self.cfg.trainer.eval_size
         groups = [(f"eval-{t.id}", t) for fam, ts in self.test_tasks.items() for t in ts[:limit]]
         rows, _ = self.fleet.run_step(groups, 1, 0, seed=0, evaluation=True)
+        self.last_eval_problems = {r["problem_id"]: bool(r["correct"]) for r in rows}  # for the paired before/after test
         out: dict[str, float] = {}
         for fam in self.test_tasks:
             fr = [r for r in rows if family_of(r["problem_id"]) == fam]
@@ -479,13 +480,17 @@ class Trainer:
 
 def rl_task_pool(cfg):
     """RL questions per family (after the warm-start demos) and the held-out test tasks."""
-    from rapo_ray.envs.suite import task_splits
-
+    from rapo_ray.envs.suite import task_difficulty, task_splits
     from rapo_ray.sft import sft_span
 
     train, test = task_splits(cfg.tasks)
     n0 = sft_span(cfg)
-    pool = {fam: ts[n0:n0 + cfg.trainer.rl_questions] or ts[: cfg.trainer.rl_questions] for fam, ts in train.items()}
+    pool = {}
+    for fam, ts in train.items():
+        later = ts[n0:] or ts  # real data files have no warm-start head
+        if cfg.tasks.difficulty and fam in cfg.tasks.families:
+            later = [t for t in later if task_difficulty(t) == cfg.tasks.difficulty]
+        pool[fam] = later[: cfg.trainer.rl_questions]
     return pool, test
 
 
@@ -563,7 +568,7 @@ def run(cfg: Config, log=print) -> dict:
             before = json.loads((run_dir.path / "eval_before.json").read_text()) if (run_dir.path / "eval_before.json").is_file() else {}
         else:
             trainer._push_weights()
-            before = trainer.evaluate()
+            before = {**trainer.evaluate(), "problems": trainer.last_eval_problems}
             (run_dir.path / "eval_before.json").write_text(json.dumps(before, indent=1))
             log("held-out before training: " + _fmt_eval(before))
         # 4. train; a lost learner (node loss) rebuilds the learners and fleet from the last checkpoint
@@ -600,13 +605,14 @@ def run(cfg: Config, log=print) -> dict:
         after = trainer.evaluate()
         trainer._log({"step": trainer.step_idx, **after})
         ck = trainer.save_checkpoint()
+        change = _paired_changes(before.pop("problems", {}), trainer.last_eval_problems)
         summary = {"run_dir": str(run_dir.path), "checkpoint": str(ck), "steps": trainer.step_idx, "learner_failures": failures,
-                   "before": before, "after": after,
+                   "before": before, "after": after, "paired_change": change,
                    "mean_step_s": _mean(m["step_s"] for m in trainer.history if "step_s" in m)}
         (run_dir.path / "summary.json").write_text(json.dumps(summary, indent=1))
         _plot(run_dir.path, trainer.history)
         log("held-out after training:  " + _fmt_eval(after))
-        log(_before_after_table(before, after))
+        log(_before_after_table(before, after, change))
         return summary
     finally:
         if trainer is not None:
@@ -629,14 +635,32 @@ def _fmt_eval(ev: dict) -> str:
     return ", ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in ev.items() if k.endswith("/accuracy") and k.count("/") == 2)
 
 
-def _before_after_table(before: dict, after: dict) -> str:
+def _paired_changes(before: dict, after: dict) -> dict:
+    """Per family (and "all"): problems fixed / broken by training and the sign-test p-value."""
+    from rapo_ray.envs.suite import family_of
+    from rapo_ray.evaluation import paired_change
+
+    fams = sorted({family_of(p) for p in after})
+    out = {f: paired_change({p: c for p, c in before.items() if family_of(p) == f}, {p: c for p, c in after.items() if family_of(p) == f})
+           for f in fams}
+    out["all"] = paired_change(before, after)
+    return out
+
+
+def _before_after_table(before: dict, after: dict, change: dict | None = None) -> str:
+    """Held-out accuracy before/after per family; with ``change``: problems fixed/broken and the paired
+    sign-test p-value (a gain is measurable when p is small, e.g. < 0.05)."""
+    change = change or {}
     fams = sorted({k.split("/")[1] for k in after if k.count("/") == 2})
-    lines = [f"{'family':12} {'before':>8} {'after':>8} {'gain':>8}"]
+    lines = [f"{'family':12} {'before':>8} {'after':>8} {'gain':>8} {'fixed':>6} {'broken':>6} {'p':>7}"]
+
+    def row(name, b, a, c):
+        paired = f" {c['fixed']:6d} {c['broken']:6d} {c['p_value']:7.3g}" if c else ""
+        lines.append(f"{name:12} {b:8.3f} {a:8.3f} {a - b:+8.3f}{paired}")
+
     for f in fams:
-        b, a = before.get(f"eval/{f}/accuracy", 0.0), after.get(f"eval/{f}/accuracy", 0.0)
-        lines.append(f"{f:12} {b:8.3f} {a:8.3f} {a - b:+8.3f}")
-    b, a = before.get("eval/mean_accuracy", 0.0), after.get("eval/mean_accuracy", 0.0)
-    lines.append(f"{'mean':12} {b:8.3f} {a:8.3f} {a - b:+8.3f}")
+        row(f, before.get(f"eval/{f}/accuracy", 0.0), after.get(f"eval/{f}/accuracy", 0.0), change.get(f))
+    row("mean", before.get("eval/mean_accuracy", 0.0), after.get("eval/mean_accuracy", 0.0), change.get("all"))
     return "\n".join(lines)
 
 

@@ -51,9 +51,13 @@ def test_splits_disjoint_and_seeded():
         bundled.generate("chess", "train", 1, 0)
 
 
-def test_expert_solves_every_family_through_real_tools(tiny_cfg, tiny_tokenizer, tools):
+SCHEDULES = pytest.mark.parametrize("schedule", ["lockstep", "per_trajectory"])
+
+
+@SCHEDULES
+def test_expert_solves_every_family_through_real_tools(tiny_cfg, tiny_tokenizer, tools, schedule):
     _, test = task_splits(tiny_cfg.tasks)
-    loop = AgentLoop(ScriptedExpertEngine(tiny_tokenizer), tiny_tokenizer, tools, settings())
+    loop = AgentLoop(ScriptedExpertEngine(tiny_tokenizer), tiny_tokenizer, tools, settings(schedule=schedule))
     for fam, tasks in test.items():
         trajs, _ = loop.run_groups(tasks[:50], 1)
         acc = sum(t.correct for t in trajs) / len(trajs)
@@ -92,8 +96,9 @@ HOSTILE = {
 }
 
 
-def test_sandbox_contains_hostile_programs():
-    sb = PythonSandbox(SandboxLimits(timeout_s=2.0, cpu_s=2, output_chars=200), max_concurrency=4)
+@pytest.mark.parametrize("mode", PythonSandbox.MODES)
+def test_sandbox_contains_hostile_programs(mode):
+    sb = PythonSandbox(SandboxLimits(timeout_s=2.0, cpu_s=2, output_chars=200), max_concurrency=4, mode=mode)
     try:
         futures = {name: sb.submit(code) for name, code in HOSTILE.items()}
         benign = [sb.submit(f"print({i} * 7)") for i in range(6)]
@@ -109,13 +114,41 @@ def test_sandbox_contains_hostile_programs():
         sb.close()
 
 
-def test_sandbox_private_dir_and_errors():
-    sb = PythonSandbox(max_concurrency=1)
+@pytest.mark.parametrize("mode", PythonSandbox.MODES)
+def test_sandbox_private_dir_and_errors(mode):
+    sb = PythonSandbox(max_concurrency=1, mode=mode)
     assert sb.run("open('a.txt','w').write('hi')\nprint(open('a.txt').read())").text == "hi"
+    assert sb.run("print(open('a.txt').read())").text.startswith("Error: FileNotFoundError")  # a fresh directory per call
+    assert sb.run("x = 5").text == "" and "NameError" in sb.run("print(x)").text  # no state carried between calls
     assert sb.run("   ").text == "Error: empty code"
     assert "ZeroDivisionError" in sb.run("1/0").text
     assert "SyntaxError" in sb.run("def (").text
+    assert sb.run("import sys; print('bye'); sys.exit(3)").text == "Error: exit code 3"
+    with pytest.raises(ValueError, match="valid: fork_server, subprocess"):
+        PythonSandbox(mode="docker")
     sb.close()
+
+
+def test_sandbox_fork_server_replaced_after_it_dies():
+    """A server that died while idle is replaced before the call; one that fails a call is discarded and
+    that call (only) gets an error result."""
+    import os
+    import signal
+
+    sb = PythonSandbox(max_concurrency=1)
+    try:
+        assert sb.run("print(1)").text == "1"
+        (server,) = sb._servers
+        os.killpg(server.proc.pid, signal.SIGKILL)  # the server dies between calls
+        server.proc.wait()
+        assert sb.run("print(2)").text == "2" and sb._servers and sb._servers[0] is not server
+        (server,) = sb._servers
+        server.call = lambda code, timeout_s: (_ for _ in ()).throw(RuntimeError("did not answer"))  # hangs mid-call
+        res = sb.run("print(3)")
+        assert not res.ok and res.text == "Error: sandbox failure: RuntimeError: did not answer" and not sb._servers
+        assert sb.run("print(4)").text == "4"
+    finally:
+        sb.close()
 
 
 @needs_shared
@@ -263,10 +296,11 @@ def _store(tok, n=5):
                        question_id=f"src{i}") for i in range(n)]
 
 
-def test_hybrid_rollout_invariants(tiny_cfg, tiny_tokenizer, tools):
+@SCHEDULES
+def test_hybrid_rollout_invariants(tiny_cfg, tiny_tokenizer, tools, schedule):
     _, test = task_splits(tiny_cfg.tasks)
     retriever = InMemoryStepRetriever(_store(tiny_tokenizer))
-    loop = AgentLoop(ScriptedExpertEngine(tiny_tokenizer), tiny_tokenizer, tools, settings(retrieve_prob=1.0), retriever=retriever)
+    loop = AgentLoop(ScriptedExpertEngine(tiny_tokenizer), tiny_tokenizer, tools, settings(retrieve_prob=1.0, schedule=schedule), retriever=retriever)
     trajs, _ = loop.run_groups(test["multihop"][:3], group_size=4, n_hybrid=2)
     for t in trajs:
         kinds = [k for k, _, _ in t.segments]
@@ -358,9 +392,10 @@ def test_steps_of_excludes_answer_steps(tiny_cfg, tiny_tokenizer, tools):
     assert {x.source for x in steps_of_row(tiny_tokenizer, t.to_row())} == {"on_policy"}
 
 
-def test_arpo_branching_fills_group(tiny_cfg, tiny_tokenizer, tools):
+@SCHEDULES
+def test_arpo_branching_fills_group(tiny_cfg, tiny_tokenizer, tools, schedule):
     _, test = task_splits(tiny_cfg.tasks)
-    s = settings(arpo_initial=2, arpo_beam_size=2, arpo_tau=1.0, arpo_beta=0.0)  # always branch
+    s = settings(arpo_initial=2, arpo_beam_size=2, arpo_tau=1.0, arpo_beta=0.0, schedule=schedule)  # always branch
     loop = AgentLoop(ScriptedExpertEngine(tiny_tokenizer), tiny_tokenizer, tools, s)
     trajs, _ = loop.run_groups(test["multihop"][:2], group_size=5)
     for gid in {t.group_id for t in trajs}:
@@ -368,6 +403,61 @@ def test_arpo_branching_fills_group(tiny_cfg, tiny_tokenizer, tools):
         assert len(group) == 5 and len({t.slot for t in group}) == 5
         branches = [t for t in group if t.slot_kind == "branch"]
         assert branches and all(t.response_ids[: t.branch_point] == group[t.parent].response_ids[: t.branch_point] for t in branches)
+
+
+def test_per_trajectory_schedule_overlaps_tool_calls_with_decoding(tiny_tokenizer, tools):
+    """A trajectory whose tool call is slow does not hold the others: in the per-trajectory schedule the
+    fast trajectory runs all its turns while the slow call is running; in lockstep it waits every turn."""
+    slow = "<think>s</think><python>import time; time.sleep(1.5); print(7)</python>"
+    fast = "<think>f</think><python>print(1)</python>"
+
+    class TwoScripts(InferenceEngine):
+        name = "two-scripts"
+
+        def load_weights(self, sd, v):
+            self.version = v
+
+        def generate(self, prompts, params):
+            out = []
+            for ids, sp in zip(prompts, self._per_prompt(params, len(prompts))):
+                text = tiny_tokenizer.decode(ids, skip_special_tokens=False)
+                done = text.count(protocol.RESULT[1])
+                script = [slow, "<think>d</think><answer>\\boxed{7}</answer>"] if "SLOW" in text else [fast] * 3 + ["<think>d</think><answer>\\boxed{1}</answer>"]
+                step_ids = tiny_tokenizer(script[min(done, len(script) - 1)], add_special_tokens=False)["input_ids"]
+                out.append(GenerationResult(step_ids, [0.0] * len(step_ids), [0.0] * len(step_ids), "stop", None))
+            return out
+
+    tasks_ = [Task("slow", "SLOW question", ("7",), "math"), Task("fast", "FAST question", ("1",), "math")]
+    for schedule in ("per_trajectory", "lockstep"):
+        events = []
+        loop = AgentLoop(TwoScripts(), tiny_tokenizer, tools, settings(schedule=schedule),
+                         on_append=lambda t, kind, ids: events.append((t.problem_id, kind)))
+        trajs, stats = loop.run_groups(tasks_, 1)
+        assert [t.correct for t in trajs] == [True, True] and [t.tool_calls for t in trajs] == [1, 3]
+        slow_result = events.index(("slow", TOOL_RESULT))
+        fast_last = len(events) - 1 - events[::-1].index(("fast", GENERATED))
+        if schedule == "per_trajectory":
+            assert fast_last < slow_result and stats.tool_s >= 1.5
+        else:
+            assert fast_last > slow_result
+
+
+def test_per_trajectory_schedule_equals_lockstep_with_a_model(tiny_cfg, tiny_model_dir, tiny_tokenizer, tools):
+    """Greedy trajectories of the torch engine are token for token the same under both schedules."""
+    from rapo_ray.engines.torch_engine import TorchEngine
+    from rapo_ray.model import load_model
+
+    _, test = task_splits(tiny_cfg.tasks)
+    tasks_ = test["arith"][:3] + test["multihop"][:3]
+    engine = TorchEngine(load_model(tiny_model_dir), tiny_tokenizer)
+    runs = {}
+    for schedule in ("lockstep", "per_trajectory"):
+        loop = AgentLoop(engine, tiny_tokenizer, tools, settings(schedule=schedule, max_response_tokens=160))
+        runs[schedule] = loop.run_groups(tasks_, 2)[0]
+    for a, b in zip(runs["lockstep"], runs["per_trajectory"]):
+        assert (a.problem_id, a.slot) == (b.problem_id, b.slot)
+        assert a.response_ids == b.response_ids and a.segments == b.segments and a.reward == b.reward
+        assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs)), default=0.0) < 1e-4
 
 
 def test_context_window_bounds_prompt_plus_response(tiny_tokenizer, tools):

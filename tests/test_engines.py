@@ -59,6 +59,19 @@ def check_stops(engine, prompts, tokenizer):
     assert tokenizer.decode(r.token_ids, skip_special_tokens=False).endswith(text)
 
 
+def check_submit(engine, prompts):
+    """Requests submitted one by one, a second wave while the first decodes (a trajectory's next turn
+    joining a running batch), give what one batched ``generate`` gives, in submission order."""
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    expected = engine.generate(prompts, greedy)
+    first = [engine.submit(p, greedy) for p in prompts[:3]]
+    second = [engine.submit(p, greedy) for p in prompts[3:]]
+    got = [f.result(timeout=120) for f in first + second]
+    for e, g in zip(expected, got):
+        assert g.token_ids == e.token_ids and len(g.token_ids) == 40
+        assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(e.logprobs), atol=1e-4)
+
+
 def check_load_weights(engine, model, prompts):
     before = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8))
     torch.manual_seed(1)
@@ -93,6 +106,7 @@ def test_torch_engine_sampling_is_seeded_and_valid(tiny_model_dir, tiny_tokenize
         engine.generate([[]], sp)
     with pytest.raises(KeyError, match="unknown parameter"):
         engine.load_weights({"nope": torch.zeros(1)}, 1)
+    check_submit(engine, prompts)
 
 
 def test_torch_engine_continuous_batching_matches_solo_runs(tiny_model_dir, tiny_tokenizer, prompts):
@@ -185,6 +199,7 @@ def test_vllm_engine_matches_hf(tiny_model_dir, tiny_tokenizer, prompts):
         model = load_model(tiny_model_dir)
         check_engine_against_hf(engine, model, prompts, exact_entropy=False)
         check_stops(engine, prompts, tiny_tokenizer)
+        check_submit(engine, prompts)
         check_load_weights(engine, model, prompts)
     finally:
         engine.close()

@@ -104,6 +104,19 @@ def warm_cfg(tmp_path_factory):
                        "resources.cpus_per_rollout_worker=0.5", "resources.cpus_per_learner=0.5", f"run.output_dir={art / 'runs'}")
 
 
+def test_paired_change_counts_flips_and_sign_test():
+    from rapo_ray.evaluation import paired_change
+
+    before = {"a": True, "b": False, "c": False, "d": True, "e": False}
+    after = {"a": True, "b": True, "c": True, "d": False, "e": True, "only-after": True}
+    c = paired_change(before, after)
+    # 3 fixed, 1 broken: p = 2 * (C(4,0) + C(4,1)) / 2^4 = 0.625
+    assert c == {"n": 5, "fixed": 3, "broken": 1, "gain": 0.4, "p_value": 0.625}
+    six = paired_change({str(i): False for i in range(6)}, {str(i): True for i in range(6)})
+    assert six["p_value"] == 2 / 64 and six["gain"] == 1.0
+    assert paired_change({"a": True}, {"a": True})["p_value"] == 1.0
+
+
 def _final_weights(summary):
     from rapo_ray.model import load_model
 
@@ -131,6 +144,9 @@ def test_end_to_end_rapo_and_resume_is_exact(ray_session, warm_cfg):
     assert sum(m["retrievals"] for m in steps) > 0  # hybrid slots retrieved through Serve + Milvus
     assert sum(m["inserted_steps"] for m in steps) > 0  # on-policy steps went into the buffer through Serve
     assert Path(f"{rd}/curves.png").is_file() and json.load(open(f"{rd}/summary.json"))["steps"] == 2
+    for fam in ("arith", "multihop"):  # the paired before/after count agrees with the two accuracies
+        c = summary["paired_change"][fam]
+        assert c["n"] == 8 and abs(c["gain"] - (summary["after"][f"eval/{fam}/accuracy"] - summary["before"][f"eval/{fam}/accuracy"])) < 1e-9
     assert list(Path(rd, "tb").glob("events.out.tfevents.*"))  # TensorBoard event files
     import pyarrow.parquet as pq
 

@@ -1,8 +1,10 @@
 """The multi-turn tool agent loop with hybrid-policy rollout (spec Algorithm 1) and ARPO branching.
 
-All live trajectories advance in lockstep: one batched ``engine.generate`` per turn, tool calls of the
-turn run concurrently, retrievals of the turn go to the retriever in one batch. One turn of one
-trajectory:
+Two schedules run the same turns. ``lockstep``: all live trajectories advance together, one batched
+``engine.generate`` per turn, the turn's tool calls concurrently, its retrievals in one batch.
+``per_trajectory``: every trajectory is its own request stream (``engine.submit``); the moment its tool
+result (or retrieved step) is in, its next step joins the engine's running batch, so tool calls overlap
+decoding instead of every trajectory waiting for the slowest of the turn. One turn of one trajectory:
 
   1. hybrid slot, at least one policy step done, draw u < p  ->  append <retrieve>value</retrieve> (mask 0)
   2. generate a policy step until a closing tool tag, </answer>, EOS, or the step/response budget
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import random
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -56,6 +59,7 @@ class LoopSettings:
     tool_bonus: float = 0.0
     max_context: int = 0  # the model's window: prompt + response never exceed it (0: no limit known)
     seed: int | None = None
+    schedule: str = "lockstep"  # "lockstep" | "per_trajectory" (see the module docstring)
     # ARPO
     arpo_initial: int | None = None  # None: no branching
     arpo_beam_size: int = 2
@@ -75,6 +79,7 @@ class LoopSettings:
             max_step_tokens=rollout_cfg.max_step_tokens,
             max_tool_calls=rollout_cfg.max_tool_calls,
             system_prompt=protocol.system_prompt_for(cfg.tasks.system_prompt, bundled=not cfg.model.path),
+            schedule=rollout_cfg.schedule,
         )
         if not evaluation:
             s.retrieve_prob = algo_cfg.retrieve_prob
@@ -89,6 +94,9 @@ class LoopSettings:
 
 @dataclass
 class RolloutStats:
+    """Lockstep: wall time of each phase. Per-trajectory (phases overlap): ``generate_s`` is the wall time
+    with at least one generation in flight, ``tool_s`` and ``retrieve_s`` are summed over calls."""
+
     generate_s: float = 0.0
     tool_s: float = 0.0
     retrieve_s: float = 0.0
@@ -154,7 +162,8 @@ class AgentLoop:
                 kind = HYBRID if slot >= group_size - n_hybrid else ON_POLICY
                 trajs.append(self._new(task, gid, slot, kind, prompt))
         stats = RolloutStats()
-        trajs = self._run(trajs, stats, budgets, {gid: task for task, gid in zip(tasks, group_ids)})
+        run = self._run_per_trajectory if self.s.schedule == "per_trajectory" else self._run
+        trajs = run(trajs, stats, budgets, {gid: task for task, gid in zip(tasks, group_ids)})
         return trajs, stats
 
     def _new(self, task: Task, gid: str, slot: int, kind: str, prompt: list[int]) -> Trajectory:
@@ -190,10 +199,7 @@ class AgentLoop:
                     self._finish(t, "length")
                     continue
                 prompts.append(t.prompt_ids + t.response_ids)
-                params.append(SamplingParams(temperature=self.s.temperature, top_p=self.s.top_p,
-                                             max_new_tokens=min(self.s.max_step_tokens, room),
-                                             stop_token_ids=self.stop_ids, stop_strings=self.stop_strings,
-                                             seed=None if self.s.seed is None else self.rng.randrange(2**31)))
+                params.append(self._step_params(room, self.rng))
                 rows.append(i)
             if not rows:
                 continue
@@ -203,13 +209,7 @@ class AgentLoop:
             stats.engine_calls += 1
             calls: list[tuple[int, str, str]] = []
             for i, res in zip(rows, results):
-                t = trajs[i]
-                t.entropy_is_estimate = res.entropy_is_estimate
-                t.append(GENERATED, list(res.token_ids), list(res.logprobs), list(res.entropies))
-                self._emit(t, GENERATED, res.token_ids)
-                if i in pending_retrieval:
-                    pending_retrieval.pop(i).step_after = t.num_generated_steps - 1
-                call = self._classify_step(t, res)
+                call = self._take_step(trajs[i], res, pending_retrieval.pop(i, None))
                 if call is not None:
                     calls.append((i, *call))
             # 3. tools, concurrently
@@ -225,25 +225,144 @@ class AgentLoop:
             self._score(t)
         return trajs
 
+    # ------------------------------------------------------------ the per-trajectory schedule
+
+    def _run_per_trajectory(self, trajs: list[Trajectory], stats: RolloutStats, budgets: dict, tasks_by_group: dict) -> list[Trajectory]:
+        """Same turns as ``_run``, each trajectory on its own: the main thread reacts to whichever
+        generation, tool call or retrieval finishes first and submits that trajectory's next request.
+        Sampling seeds and retrieval draws come from a per-trajectory RNG, so they do not depend on the
+        order in which requests finish (ARPO's branching draws still do)."""
+        brancher = EntropyBrancher(self.s.arpo_tau, self.s.arpo_beta, self.rng) if budgets else None
+        run_seed = self.rng.randrange(2**31)
+        rngs: dict[int, random.Random] = {}
+        in_flight: dict = {}  # future -> (kind, trajectory index, started at)
+        retrievals: dict[int, Retrieval] = {}
+        generating = [0, 0.0]  # generations in flight, when the count last left 0
+        retrieve_pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="retrieve") if self.retriever is not None else None
+
+        def rng_of(i: int) -> random.Random:
+            if i not in rngs:
+                rngs[i] = random.Random(f"{run_seed}:{trajs[i].group_id}:{trajs[i].slot}")
+            return rngs[i]
+
+        def start_turn(i: int) -> None:
+            t = trajs[i]
+            if (t.slot_kind == HYBRID and t.num_generated_steps > 0 and self.retriever is not None
+                    and rng_of(i).random() < self.s.retrieve_prob):
+                query = query_text(t.question + self.tok.decode(t.response_ids, skip_special_tokens=False))
+                fut = retrieve_pool.submit(self.retriever.retrieve, [query], [t.problem_id])
+                in_flight[fut] = ("retrieve", i, time.perf_counter())
+                return
+            start_generation(i)
+
+        def start_generation(i: int) -> None:
+            t = trajs[i]
+            room = self._room(t)
+            if room <= 0:
+                self._finish(t, "length")
+                return
+            if generating[0] == 0:
+                generating[1] = time.perf_counter()
+            generating[0] += 1
+            fut = self.engine.submit(t.prompt_ids + t.response_ids, self._step_params(room, rng_of(i)))
+            in_flight[fut] = ("generate", i, time.perf_counter())
+
+        try:
+            for i in range(len(trajs)):
+                start_turn(i)
+            while True:
+                if not in_flight:
+                    n_before = len(trajs)
+                    if budgets and self._refill(trajs, budgets, tasks_by_group):
+                        for i in range(n_before, len(trajs)):
+                            start_turn(i)
+                        continue
+                    break
+                done, _ = wait(list(in_flight), return_when=FIRST_COMPLETED)
+                for fut in done:
+                    kind, i, started = in_flight.pop(fut)
+                    t = trajs[i]
+                    if kind == "retrieve":
+                        stats.retrieve_s += time.perf_counter() - started
+                        r = self._insert_retrieval(t, fut.result()[0])
+                        if r is not None:
+                            retrievals[i] = r
+                        start_generation(i)
+                    elif kind == "generate":
+                        generating[0] -= 1
+                        if generating[0] == 0:
+                            stats.generate_s += time.perf_counter() - generating[1]
+                        stats.engine_calls += 1
+                        call = self._take_step(t, fut.result(), retrievals.pop(i, None))
+                        if call is None:
+                            continue
+                        tool, content = call
+                        if content.startswith("\x00error:"):
+                            self._append_tool_result(t, ToolResult("Error: " + content[len("\x00error:"):], False))
+                            self._after_tool(trajs, i, budgets, brancher, start_turn)
+                        else:
+                            in_flight[self.tools.submit(tool, content)] = ("tool", i, time.perf_counter())
+                    else:  # tool
+                        res = fut.result()
+                        stats.tool_s += res.elapsed_s
+                        self._append_tool_result(t, res)
+                        self._after_tool(trajs, i, budgets, brancher, start_turn)
+            stats.turns = max((t.num_generated_steps for t in trajs), default=0)
+        finally:
+            if retrieve_pool is not None:
+                retrieve_pool.shutdown(wait=False, cancel_futures=True)
+        for t in trajs:
+            self._score(t)
+        return trajs
+
+    def _after_tool(self, trajs, i, budgets, brancher, start_turn) -> None:
+        n_before = len(trajs)
+        if budgets and not trajs[i].finished:
+            self._arpo_branch(trajs, [i], budgets, brancher)
+        for j in [i] + list(range(n_before, len(trajs))):  # the trajectory, then any branch forked from it
+            if not trajs[j].finished:
+                start_turn(j)
+
+    # ------------------------------------------------------------ one turn's pieces (both schedules)
+
+    def _step_params(self, room: int, rng: random.Random) -> SamplingParams:
+        return SamplingParams(temperature=self.s.temperature, top_p=self.s.top_p, max_new_tokens=min(self.s.max_step_tokens, room),
+                              stop_token_ids=self.stop_ids, stop_strings=self.stop_strings,
+                              seed=None if self.s.seed is None else rng.randrange(2**31))
+
+    def _take_step(self, t: Trajectory, res, retrieval: Retrieval | None) -> tuple[str, str] | None:
+        """Append a generated step; returns the (tool, content) call it ended with, if any."""
+        t.entropy_is_estimate = res.entropy_is_estimate
+        t.append(GENERATED, list(res.token_ids), list(res.logprobs), list(res.entropies))
+        self._emit(t, GENERATED, res.token_ids)
+        if retrieval is not None:
+            retrieval.step_after = t.num_generated_steps - 1
+        return self._classify_step(t, res)
+
     def _insert_retrievals(self, trajs, want, pending):
         histories = [trajs[i].question + self.tok.decode(trajs[i].response_ids, skip_special_tokens=False) for i in want]
         hits = self.retriever.retrieve([query_text(h) for h in histories], [trajs[i].problem_id for i in want])
         for i, hit in zip(want, hits):
-            t = trajs[i]
-            if hit is None:
-                t.retrieval_fallbacks += 1
-                continue
-            ids = self.retrieve_open + (list(hit.value_ids) or self._encode(hit.value)) + self.retrieve_close
-            room = self._room(t) - 1
-            if len(ids) > room:  # no room for the retrieved step and a policy step after it
-                t.retrieval_fallbacks += 1
-                continue
-            t.append(RETRIEVED, ids)
-            self._emit(t, RETRIEVED, ids)
-            r = Retrieval(step_before=t.num_generated_steps - 1, step_after=None, score=hit.score,
-                          source_id=hit.question_id, noise=hit.noise)
-            t.retrievals.append(r)
-            pending[i] = r
+            r = self._insert_retrieval(trajs[i], hit)
+            if r is not None:
+                pending[i] = r
+
+    def _insert_retrieval(self, t: Trajectory, hit) -> Retrieval | None:
+        """Append ``<retrieve>step</retrieve>`` (loss-masked) when there is a hit and room for it."""
+        if hit is None:
+            t.retrieval_fallbacks += 1
+            return None
+        ids = self.retrieve_open + (list(hit.value_ids) or self._encode(hit.value)) + self.retrieve_close
+        room = self._room(t) - 1
+        if len(ids) > room:  # no room for the retrieved step and a policy step after it
+            t.retrieval_fallbacks += 1
+            return None
+        t.append(RETRIEVED, ids)
+        self._emit(t, RETRIEVED, ids)
+        r = Retrieval(step_before=t.num_generated_steps - 1, step_after=None, score=hit.score,
+                      source_id=hit.question_id, noise=hit.noise)
+        t.retrievals.append(r)
+        return r
 
     def _classify_step(self, t: Trajectory, res) -> tuple[str, str] | None:
         """End the trajectory or return the (tool, content) call its step ended with."""
@@ -291,19 +410,21 @@ class AgentLoop:
         for k, res in zip(todo, self.tools.call_many([(calls[k][1], calls[k][2]) for k in todo])):
             results[k] = res
         for (i, _, _), res in zip(calls, results):
-            t = trajs[i]
-            t.tool_time_s += res.elapsed_s
-            t.tool_errors += 0 if res.ok else 1
-            ids = self._encode(protocol.RESULT[0] + res.text + protocol.RESULT[1])
-            room = self._room(t)
-            if room <= 1:
-                self._finish(t, "length")
-                continue
-            if len(ids) > room - 1:  # truncate the result, keep the closing tag
-                close = self._encode(protocol.RESULT[1])
-                ids = ids[: max(room - 1 - len(close), 0)] + close
-            t.append(TOOL_RESULT, ids)
-            self._emit(t, TOOL_RESULT, ids)
+            self._append_tool_result(trajs[i], res)
+
+    def _append_tool_result(self, t: Trajectory, res: ToolResult) -> None:
+        t.tool_time_s += res.elapsed_s
+        t.tool_errors += 0 if res.ok else 1
+        ids = self._encode(protocol.RESULT[0] + res.text + protocol.RESULT[1])
+        room = self._room(t)
+        if room <= 1:
+            self._finish(t, "length")
+            return
+        if len(ids) > room - 1:  # truncate the result, keep the closing tag
+            close = self._encode(protocol.RESULT[1])
+            ids = ids[: max(room - 1 - len(close), 0)] + close
+        t.append(TOOL_RESULT, ids)
+        self._emit(t, TOOL_RESULT, ids)
 
     def _arpo_branch(self, trajs: list[Trajectory], just_called: list[int], budgets: dict, brancher: EntropyBrancher):
         k, vocab = self.s.arpo_entropy_tokens, len(self.tok)

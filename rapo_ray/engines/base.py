@@ -9,6 +9,8 @@ top-k log-probabilities (ARPO's method) and say so in ``entropy_is_estimate``.
 from __future__ import annotations
 
 import abc
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 
@@ -41,6 +43,9 @@ class GenerationResult:
     entropy_is_estimate: bool = False
 
 
+_SUBMIT_POOL_LOCK = threading.Lock()
+
+
 class InferenceEngine(abc.ABC):
     """Batched generation from token ids, with in-place weight updates stamped with a policy version."""
 
@@ -57,8 +62,24 @@ class InferenceEngine(abc.ABC):
     def load_weights(self, state_dict: dict, version: int) -> None:
         """Replace the model weights in place (full state dict, HF names) and set ``version``."""
 
+    def submit(self, prompt: list[int], params: SamplingParams) -> Future:
+        """Start one request and return at once; the future resolves to its ``GenerationResult``.
+
+        This is what lets the agent loop keep every trajectory in flight on its own, each pausing at its
+        own tool calls while the others decode. Default: ``generate`` on a helper thread, which suits an
+        engine that merges concurrent calls into one decode batch (the torch engine); vLLM overrides it
+        with its own step loop.
+        """
+        with _SUBMIT_POOL_LOCK:
+            if getattr(self, "_submit_pool", None) is None:
+                self._submit_pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix=f"{self.name}-submit")
+        return self._submit_pool.submit(lambda: self.generate([list(prompt)], [params])[0])
+
     def close(self) -> None:
         """Release resources; the engine is unusable afterwards."""
+        pool = getattr(self, "_submit_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     @staticmethod
     def _per_prompt(params, n: int) -> list[SamplingParams]:

@@ -13,10 +13,13 @@ Entropies from vLLM are an estimate over the top-k logprobs (ARPO's method) and 
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import shutil
 import tempfile
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 from rapo_ray.engines.base import GenerationResult, InferenceEngine
@@ -111,46 +114,113 @@ class VLLMEngine(InferenceEngine):
         else:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * (1 << 30))
             kwargs["distributed_executor_backend"] = "uni"
+        self._cv = threading.Condition()
+        self._engine_lock = threading.Lock()
+        self._submitted: list = []
+        self._driver: threading.Thread | None = None
+        self._closing = False
+        self._request_ids = itertools.count()
+        self.llm = None
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self._shm = Path(tempfile.mkdtemp(prefix="rapo_ray_weights_", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
 
     # ------------------------------------------------------------ generation
+    #
+    # Every request, batched or not, goes through one driver thread that owns the in-process
+    # ``LLMEngine``: it adds whatever was submitted since its last step, runs one engine step (all live
+    # requests decode together) and resolves the requests that finished. A multi-turn trajectory can thus
+    # submit its next turn the moment its tool call returns, joining the running batch, instead of waiting
+    # for a lockstep batch to end. (vLLM's own ``AsyncLLM`` always runs its engine core in a second
+    # process: 15-28 s to start on CPU; this is the in-process engine behind the same kind of interface.)
 
     def generate(self, prompts, params):
+        per = self._per_prompt(params, len(prompts))
+        futures = [self.submit(p, sp) for p, sp in zip(prompts, per)]
+        return [f.result() for f in futures]
+
+    def submit(self, prompt, params) -> Future:
+        fut: Future = Future()
+        request = (fut, list(prompt), self._vllm_params(params))
+        with self._cv:
+            if self.llm is None:
+                raise RuntimeError("VLLMEngine is closed")
+            self._submitted.append(request)
+            if self._driver is None:
+                self._driver = threading.Thread(target=self._drive, name="vllm-driver", daemon=True)
+                self._driver.start()
+            self._cv.notify()
+        return fut
+
+    def _vllm_params(self, p):
         from vllm import SamplingParams as VSP
+        from vllm.sampling_params import RequestOutputKind
+
+        return VSP(
+            temperature=p.temperature,
+            top_p=p.top_p,
+            max_tokens=p.max_new_tokens,
+            stop_token_ids=list(p.stop_token_ids),
+            stop=list(p.stop_strings) or None,
+            include_stop_str_in_output=True,
+            skip_special_tokens=False,
+            spaces_between_special_tokens=False,
+            # Results are token ids; text is only needed to match stop strings (multi-token tags).
+            detokenize=bool(p.stop_strings),
+            logprobs=self.logprobs_topk,
+            seed=p.seed,
+            ignore_eos=p.ignore_eos,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    def _drive(self) -> None:
         from vllm.inputs import TokensPrompt
 
-        per = self._per_prompt(params, len(prompts))
-        vparams = [
-            VSP(
-                temperature=p.temperature,
-                top_p=p.top_p,
-                max_tokens=p.max_new_tokens,
-                stop_token_ids=list(p.stop_token_ids),
-                stop=list(p.stop_strings) or None,
-                include_stop_str_in_output=True,
-                skip_special_tokens=False,
-                spaces_between_special_tokens=False,
-                logprobs=self.logprobs_topk,
-                seed=p.seed,
-                ignore_eos=p.ignore_eos,
-            )
-            for p in per
-        ]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(x)) for x in prompts], vparams, use_tqdm=False)
-        results = []
-        for out in outs:
-            c = out.outputs[0]
-            token_ids = list(c.token_ids)
-            logprobs, entropies = [], []
-            for tok, lp in zip(token_ids, c.logprobs or []):
-                logprobs.append(float(lp[tok].logprob))
-                top = [v.logprob for v in lp.values() if v.rank is not None and v.rank <= self.logprobs_topk]
-                entropies.append(float(sum(-math.exp(x) * x for x in top if x > -math.inf)))
-            finish = "length" if c.finish_reason == "length" else "stop"
-            results.append(GenerationResult(token_ids, logprobs, entropies, finish, c.stop_reason, entropy_is_estimate=True))
-        return results
+        engine = self.llm.llm_engine
+        live: dict[str, Future] = {}
+        while True:
+            with self._cv:
+                while not self._submitted and not live and not self._closing:
+                    self._cv.wait()
+                if self._closing:
+                    for fut in [f for f, _, _ in self._submitted] + list(live.values()):
+                        fut.set_exception(RuntimeError("VLLMEngine closed with the request in flight"))
+                    self._submitted.clear()
+                    return
+                new, self._submitted = self._submitted, []
+            with self._engine_lock:  # weight reloads wait for the step to end
+                for fut, prompt, vparams in new:
+                    rid = str(next(self._request_ids))
+                    try:
+                        engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), vparams)
+                    except Exception as exc:  # a bad request (too long a prompt, ...) fails alone
+                        fut.set_exception(exc)
+                        continue
+                    live[rid] = fut
+                if not live:
+                    continue
+                try:
+                    outputs = engine.step()
+                except Exception as exc:  # a failed step fails everything in flight; the engine stays usable
+                    engine.abort_request(list(live))
+                    for fut in live.values():
+                        fut.set_exception(exc)
+                    live.clear()
+                    continue
+            for out in outputs:
+                if out.finished and out.request_id in live:
+                    live.pop(out.request_id).set_result(self._result(out))
+
+    def _result(self, out) -> GenerationResult:
+        c = out.outputs[0]
+        token_ids = list(c.token_ids)
+        logprobs, entropies = [], []
+        for tok, lp in zip(token_ids, c.logprobs or []):
+            logprobs.append(float(lp[tok].logprob))
+            top = [v.logprob for v in lp.values() if v.rank is not None and v.rank <= self.logprobs_topk]
+            entropies.append(float(sum(-math.exp(x) * x for x in top if x > -math.inf)))
+        finish = "length" if c.finish_reason == "length" else "stop"
+        return GenerationResult(token_ids, logprobs, entropies, finish, c.stop_reason, entropy_is_estimate=True)
 
     # ------------------------------------------------------------ weights
 
@@ -163,13 +233,19 @@ class VLLMEngine(InferenceEngine):
             tensors.pop("lm_head.weight", None)  # shares storage with the embedding; safetensors refuses aliases
         save_file(tensors, str(path))
         try:
-            self.llm.collective_rpc("rapo_reload_weights", args=(str(path), self.tied))
+            with self._engine_lock:  # between two engine steps; requests in flight continue on the new weights
+                self.llm.collective_rpc("rapo_reload_weights", args=(str(path), self.tied))
+                self.llm.reset_prefix_cache()
         finally:
             path.unlink(missing_ok=True)
-        self.llm.reset_prefix_cache()
         self.version = int(version)
 
     def close(self) -> None:
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        if self._driver is not None:
+            self._driver.join(timeout=60)
         shutil.rmtree(self._shm, ignore_errors=True)
         llm = getattr(self, "llm", None)
         if llm is not None:

@@ -21,16 +21,16 @@ def family_of(task_id: str) -> str:
     return task_id.split("-", 1)[0]
 
 
-def task_splits(tasks_cfg, difficulty: dict | None = None) -> tuple[dict[str, list[Task]], dict[str, list[Task]]]:
-    """Train and test tasks per family (bundled families, then real data files as their own families)."""
+def task_splits(tasks_cfg) -> tuple[dict[str, list[Task]], dict[str, list[Task]]]:
+    """Train and test tasks per family (bundled families, then real data files as their own families).
+    Bundled training splits mix 2- and 3-step problems (the warm start needs both); the test split has
+    ``tasks.difficulty`` steps (0: mixed)."""
     from rapo_ray.envs.loaders import load_examples
 
-    difficulty = difficulty or {}
     train, test = {}, {}
     for fam in tasks_cfg.families:
-        d = difficulty.get(fam)
-        train[fam] = [to_task(p) for p in bundled.generate(fam, "train", tasks_cfg.train_size, tasks_cfg.seed, d)]
-        test[fam] = [to_task(p) for p in bundled.generate(fam, "test", tasks_cfg.test_size, tasks_cfg.seed, d)]
+        train[fam] = [to_task(p) for p in bundled.generate(fam, "train", tasks_cfg.train_size, tasks_cfg.seed)]
+        test[fam] = [to_task(p) for p in bundled.generate(fam, "test", tasks_cfg.test_size, tasks_cfg.seed, tasks_cfg.difficulty or None)]
     for path in tasks_cfg.data_files:
         examples, _ = load_examples(path, skip_bad_rows=tasks_cfg.skip_bad_rows)
         name = examples[0].source if examples else path
@@ -65,7 +65,7 @@ def build_tools(tasks_cfg, rollout_cfg, search_index=None, max_concurrency: int 
                            output_chars=rollout_cfg.tool_output_chars)
     if search_index is None:
         search_index = search_index_for(tasks_cfg)
-    return ToolSet(PythonSandbox(limits, max_concurrency), SearchTool(search_index, 3, rollout_cfg.tool_output_chars), max_concurrency)
+    return ToolSet(PythonSandbox(limits, max_concurrency, mode=rollout_cfg.python_sandbox), SearchTool(search_index, 3, rollout_cfg.tool_output_chars), max_concurrency)
 
 
 def task_difficulty(task: Task) -> int:
