@@ -93,7 +93,7 @@ def main() -> int:
             steps = [s for tr in expert_trajectories(cfg, tok, tools, [t for b in batches for t in b]) for s in steps_of(tok, tr)]
         finally:
             tools.close()
-        retriever = InMemoryStepRetriever(steps, same_question=cfg.retrieval.same_question)
+        retriever = InMemoryStepRetriever(steps, question_scope=cfg.retrieval.question_scope)
     results = []
     for engine_name in args.engines.split(","):
         for schedule in args.schedules.split(","):

@@ -1,6 +1,6 @@
 """GRPO vs ARPO vs RAPO (and RAPO's two main ablations) under one compute budget, several seeds each.
 
-    python benchmarks/compare_algorithms.py [--steps 10] [--prompts 4] [--seeds 0,1,2] [--artifacts artifacts]
+    python benchmarks/compare_algorithms.py [--steps 30] [--prompts 4] [--seeds 0,1,2] [--artifacts artifacts]
 
 Every run is `jobs/train.py` with the same model, warm start, buffer, data, steps, prompts per step and
 rollouts per prompt (G=16); only the algorithm differs. Runs already finished (summary.json present) are
@@ -27,7 +27,7 @@ METHODS = {
     "rapo w/o RR": ["algo.name=rapo", "algo.use_retrieval_reward=false"],
     "rapo w/o RIS": ["algo.name=rapo", "algo.use_importance_shaping=false"],
 }
-STEP_KEYS = ("step_s", "rollout_s", "update_s", "rollout_tokens", "tool_calls", "retrievals")
+STEP_KEYS = ("step_s", "rollout_s", "old_logprob_s", "update_s", "sync_s", "rollout_tokens", "tool_calls", "retrievals")
 
 
 def run_one(method: str, seed: int, args, out: Path) -> dict | None:
@@ -55,6 +55,7 @@ def run_one(method: str, seed: int, args, out: Path) -> dict | None:
     metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "reward" in m]
     return {"method": method, "seed": seed, "before": summary["before"], "after": summary["after"],
+            "paired_change": summary.get("paired_change", {}),
             "curve": [(m["step"], m["reward"]) for m in steps],
             "per_step": {k: statistics.median(m[k] for m in steps) for k in STEP_KEYS if steps and k in steps[0]}}
 
@@ -75,12 +76,13 @@ def tables(results: list[dict]) -> str:
         mean = [r["after"]["eval/mean_accuracy"] for r in rs]
         delta = [r["after"]["eval/mean_accuracy"] - r["before"]["eval/mean_accuracy"] for r in rs]
         lines.append(f"| {method} | " + " | ".join(cells) + f" | {_ms(mean)} | {_ms(delta)} |")
-    lines += ["", "| method | step s | rollout s | update s | rollout tokens | tool calls | retrievals |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "| method | step s | rollout s | old-logprob s | update s | sync s | rollout tokens | tool calls | retrievals |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for method in METHODS:
         rs = [r for r in results if r["method"] == method]
         if rs:
             cell = [statistics.mean(r["per_step"].get(k, 0.0) for r in rs) for k in STEP_KEYS]
-            lines.append(f"| {method} | {cell[0]:.2f} | {cell[1]:.2f} | {cell[2]:.2f} | {cell[3]:.0f} | {cell[4]:.0f} | {cell[5]:.0f} |")
+            lines.append(f"| {method} | " + " | ".join(f"{c:.2f}" for c in cell[:5]) + " | " + " | ".join(f"{c:.0f}" for c in cell[5:]) + " |")
     return "\n".join(lines)
 
 
@@ -108,7 +110,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--eval-size", type=int, default=100)

@@ -38,7 +38,7 @@ class RolloutWorker:
             from rapo_ray.retrieval.service import HandleStepRetriever
 
             handle = serve.get_deployment_handle("StepRetriever", app_name=retrieval_app)
-            retriever = HandleStepRetriever(handle, cfg.retrieval.noise_prob, cfg.retrieval.same_question,
+            retriever = HandleStepRetriever(handle, cfg.retrieval.noise_prob, cfg.retrieval.question_scope,
                                             seed=cfg.trainer.seed + 1000 + worker_id, max_chars=cfg.retrieval.query_max_chars)
         self.train_settings = LoopSettings.from_config(cfg)
         self.eval_settings = LoopSettings.from_config(cfg, evaluation=True)

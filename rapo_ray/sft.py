@@ -172,7 +172,7 @@ def warm_start(cfg, log=print, force: bool = False) -> Path:
             pool_tasks[fam] = [t for t in tasks if t.id not in used][-200:]  # other questions: the retrieve-format pool
         pool = [t for ts in pool_tasks.values() for t in ts]
         pool_steps = [s for tr in expert_trajectories(cfg, tok, tools, pool, seed=cfg.trainer.sft_seed) for s in steps_of(tok, tr)]
-        retriever = InMemoryStepRetriever(pool_steps, same_question=False)
+        retriever = InMemoryStepRetriever(pool_steps, question_scope="other")
         demos = expert_trajectories(cfg, tok, tools, [t for ts in demos_tasks.values() for t in ts],
                                     hybrid_fraction=cfg.trainer.sft_hybrid_fraction, retriever=retriever, seed=cfg.trainer.sft_seed)
         examples = sft_examples(demos)

@@ -296,6 +296,19 @@ def _store(tok, n=5):
                        question_id=f"src{i}") for i in range(n)]
 
 
+def test_in_memory_retriever_question_scopes(tiny_tokenizer):
+    store = _store(tiny_tokenizer)
+    query = ["question 2 history"]  # nearest stored key: src2's
+    assert InMemoryStepRetriever(store).retrieve(query, ["src2"])[0].question_id == "src2"
+    assert InMemoryStepRetriever(store, question_scope="other").retrieve(query, ["src2"])[0].question_id != "src2"
+    assert InMemoryStepRetriever(store, question_scope="own").retrieve(query, ["src4"])[0].question_id == "src4"
+    assert InMemoryStepRetriever(store, question_scope="own").retrieve(query, ["unknown"]) == [None]
+    with pytest.raises(ValueError, match="valid: any, other, own"):
+        InMemoryStepRetriever(store, question_scope="mine").retrieve(query, ["src2"])
+    with pytest.raises(ValueError, match="1 question ids for 2 queries"):
+        InMemoryStepRetriever(store, question_scope="own").retrieve(query * 2, ["src2"])
+
+
 @SCHEDULES
 def test_hybrid_rollout_invariants(tiny_cfg, tiny_tokenizer, tools, schedule):
     _, test = task_splits(tiny_cfg.tasks)

@@ -67,9 +67,15 @@ def check_submit(engine, prompts):
     first = [engine.submit(p, greedy) for p in prompts[:3]]
     second = [engine.submit(p, greedy) for p in prompts[3:]]
     got = [f.result(timeout=120) for f in first + second]
-    for e, g in zip(expected, got):
+    # and ``generate`` from several threads at once (serving's callers), each getting its own results
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(3) as pool:
+        threaded = list(pool.map(lambda p: engine.generate([p], greedy)[0], prompts))
+    for e, g in zip(expected + expected, got + threaded):
         assert g.token_ids == e.token_ids and len(g.token_ids) == 40
         assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(e.logprobs), atol=1e-4)
+    assert engine.continuous_batching
 
 
 def check_load_weights(engine, model, prompts):

@@ -41,8 +41,12 @@ def test_round_trip_recall_and_idempotence(lite):
     far = -np.ones((1, 16), dtype=np.float32) / 4.0
     (row,) = store.search(far, top_k=3)
     assert len(row) == 3 and all(np.isfinite(h.score) for h in row)
-    excl = store.search(queries[:5], top_k=2, exclude_question=[steps[b].question_id for b in brute[:5]])
-    assert all(h.question_id != steps[b].question_id for row, b in zip(excl, brute[:5]) for h in row)
+    qids = [steps[b].question_id for b in brute[:5]]
+    excl = store.search(queries[:5], top_k=2, question_filter=[("other", q) for q in qids])
+    assert all(len(row) == 2 and h.question_id != q for row, q in zip(excl, qids) for h in row)
+    own = store.search(queries[:5], top_k=2, question_filter=[("own", q) for q in qids[:4]] + [None])
+    assert all(len(row) == 2 and h.question_id == q for row, q in zip(own[:4], qids) for h in row)
+    assert own[4][0].value == hits[4][0].value  # no filter: the plain nearest row
     store.close()
 
 
@@ -66,8 +70,13 @@ def test_replica_index_matches_brute_force_and_milvus(lite):
     assert np.mean([m[0].value == h[0].value for m, h in zip(milvus, hits)]) >= 0.99
     # exclusion skips every row of the query's question, even when all the best rows are that question's
     qid = steps[brute[0][0]].question_id
-    excl = index.search(queries[:1], top_k=5, exclude_question=[qid])[0]
+    excl = index.search(queries[:1], top_k=5, question_filter=[("other", qid)])[0]
     assert len(excl) == 5 and all(h.question_id != qid for h in excl)
+    # "own": only the query's question's rows, best first (brute force over those rows), and none for an unknown one
+    own, unknown = index.search(queries[:2], top_k=3, question_filter=[("own", "q3"), ("own", "nope")])
+    rows_q3 = [j for j, st in enumerate(steps) if st.question_id == "q3"]
+    best = sorted(rows_q3, key=lambda j: -(queries[0] @ vec[j]))[:3]
+    assert [h.value for h in own] == [steps[j].value for j in best] and unknown == []
     # upsert semantics: same id replaces, new id appends
     moved = vec[:1] * -1
     index.add_rows(step_rows(steps[:1], moved))
@@ -129,6 +138,10 @@ def test_serve_app_handle_and_http(serve_url, tmp_path, search_on):
         handle = serve.get_deployment_handle("StepRetriever", app_name="retrieval_test")
         out = HandleStepRetriever(handle).retrieve(["key 7", "key 12"])
         assert [o.value for o in out] == ["<think>v7</think>", "<think>v12</think>"]
+        # question scopes: key 7 is question q0's; "other" must pick another question's step, "own" one of q0's
+        other = HandleStepRetriever(handle, question_scope="other").retrieve(["key 7"], ["q0"])[0]
+        own = HandleStepRetriever(handle, question_scope="own").retrieve(["key 8"], ["q0"])[0]
+        assert other.question_id != "q0" and own.question_id == "q0"
         url = f"{serve_url}/retrieve"
         r = requests.post(url, json={"queries": ["key 3"], "top_k": 2}, timeout=30)
         assert r.status_code == 200 and len(r.json()["results"][0]) == 2

@@ -42,6 +42,21 @@ class StepRetriever(Protocol):
     def retrieve(self, queries: Sequence[str], question_ids: Sequence[str] | None = None) -> list[RetrievedStep | None]: ...
 
 
+QUESTION_SCOPES = ("any", "other", "own")
+
+
+def question_filter(scope: str, question_ids, n: int) -> list[tuple[str, str]] | None:
+    """Per-query filter for a retrieval scope: "any" -> None (no filter); "other" -> skip the querying
+    question's own steps; "own" -> only its own steps. Needs the querying question ids unless "any"."""
+    if scope not in QUESTION_SCOPES:
+        raise ValueError(f"retrieval question scope {scope!r}; valid: {', '.join(QUESTION_SCOPES)}")
+    if scope == "any" or question_ids is None:
+        return None
+    if len(question_ids) != n:
+        raise ValueError(f"{len(question_ids)} question ids for {n} queries")
+    return [(scope, q) if q else None for q in question_ids]
+
+
 def query_text(history: str, max_chars: int = 1300) -> str:
     """The retrieval key/query text: the last ``max_chars`` characters of the history."""
     return history[-max_chars:]
@@ -71,14 +86,14 @@ class InMemoryStepRetriever:
         embed: Callable[[Sequence[str]], np.ndarray] | None = None,
         max_chars: int = 1300,
         noise_prob: float = 0.0,
-        same_question: bool = True,
+        question_scope: str = "any",
         seed: int = 0,
     ):
         self.steps = list(steps)
         self.embed = embed or hashing_embedder()
         self.max_chars = max_chars
         self.noise_prob = noise_prob
-        self.same_question = same_question
+        self.question_scope = question_scope
         self.rng = random.Random(seed)
         self.keys = self.embed([query_text(s.key, max_chars) for s in self.steps]) if self.steps else None
 
@@ -88,11 +103,13 @@ class InMemoryStepRetriever:
         q = self.embed([query_text(x, self.max_chars) for x in queries])
         scores = q @ self.keys.T
         out = []
+        filters = question_filter(self.question_scope, question_ids, len(queries)) or [None] * len(queries)
         for i in range(len(queries)):
             row = scores[i].copy()
-            if not self.same_question and question_ids is not None:
+            if filters[i] is not None:
+                scope, qid = filters[i]
                 for j, s in enumerate(self.steps):
-                    if s.question_id == question_ids[i]:
+                    if (s.question_id == qid) == (scope == "other"):
                         row[j] = -np.inf
             if not np.isfinite(row).any():
                 out.append(None)

@@ -66,6 +66,7 @@ class RapoWeightSync:
 
 class VLLMEngine(InferenceEngine):
     name = "vllm"
+    continuous_batching = True  # concurrent callers' requests join one running batch (the driver thread)
 
     def __init__(
         self,
@@ -174,8 +175,12 @@ class VLLMEngine(InferenceEngine):
         )
 
     def _drive(self) -> None:
+        import torch
         from vllm.inputs import TokensPrompt
 
+        # OpenMP settings are per thread: give this one the process's torch thread count, or vLLM's CPU
+        # attention sees a different thread count here than its metadata was planned for (and aborts).
+        torch.set_num_threads(torch.get_num_threads())
         engine = self.llm.llm_engine
         live: dict[str, Future] = {}
         while True:

@@ -69,25 +69,32 @@ class ReplicaIndex:
                 self._payload[row] = p
             self._vectors[row] = v
 
-    def search(self, vectors: np.ndarray, top_k: int = 3, exclude_question: Sequence[str | None] | None = None) -> list[list[RetrievedStep]]:
-        """Top-k rows by inner product per query, best first; rows of ``exclude_question[i]`` skipped for query i."""
+    def search(self, vectors: np.ndarray, top_k: int = 3, question_filter: Sequence[tuple[str, str] | None] | None = None) -> list[list[RetrievedStep]]:
+        """Top-k rows by inner product per query, best first. ``question_filter[i]`` for query i: None (any row),
+        ("other", qid) (skip rows of question qid) or ("own", qid) (only rows of question qid)."""
         if len(vectors) == 0:
             return []
         if self._n == 0:
             return [[] for _ in vectors]
         scores = np.asarray(vectors, dtype=np.float32) @ self._vectors[: self._n].T  # [Q, N]
+        qids = np.asarray([p[3] for p in self._payload[: self._n]], dtype=object) if question_filter and any(question_filter) else None
         out = []
         for q, row_scores in enumerate(scores):
-            excluded = exclude_question[q] if exclude_question else None
-            want = top_k + (64 if excluded else 0)
-            while True:
-                take = min(want, self._n)
-                cand = np.argpartition(-row_scores, take - 1)[:take] if take < self._n else np.arange(self._n)
-                cand = cand[np.argsort(-row_scores[cand], kind="stable")]
-                hits = [int(r) for r in cand if not (excluded and self._payload[r][3] == excluded)][:top_k]
-                if len(hits) == top_k or take == self._n:
-                    break
-                want *= 4  # many of the best rows belonged to the excluded question
+            scope, qid = (question_filter[q] if question_filter and question_filter[q] else ("any", None))
+            if scope == "own":
+                rows = np.flatnonzero(qids == qid)
+                hits = rows[np.argsort(-row_scores[rows], kind="stable")][:top_k].tolist()
+            else:
+                excluded = qid if scope == "other" else None
+                want = top_k + (64 if excluded else 0)
+                while True:
+                    take = min(want, self._n)
+                    cand = np.argpartition(-row_scores, take - 1)[:take] if take < self._n else np.arange(self._n)
+                    cand = cand[np.argsort(-row_scores[cand], kind="stable")]
+                    hits = [int(r) for r in cand if not (excluded and self._payload[r][3] == excluded)][:top_k]
+                    if len(hits) == top_k or take == self._n:
+                        break
+                    want *= 4  # many of the best rows belonged to the excluded question
             out.append([RetrievedStep(self._payload[r][0], json.loads(self._payload[r][1]), float(row_scores[r]),
                                       self._payload[r][2], self._payload[r][3]) for r in hits])
         return out

@@ -13,7 +13,7 @@ from typing import Sequence
 
 from ray import serve
 
-from rapo_ray.agent.retriever import RetrievedStep
+from rapo_ray.agent.retriever import RetrievedStep, question_filter
 
 
 def _as_dict(hit: RetrievedStep) -> dict:
@@ -54,10 +54,10 @@ class StepRetrieverService:
             return [[] for _ in items]
         vectors = self.embedder.embed(flat)
         top = max(t for _, t, _ in items)
-        excl = []
-        for queries, _, qids in items:
-            excl.extend(qids if qids else [None] * len(queries))
-        hits = (self.index or self.store).search(vectors, top, exclude_question=excl if any(excl) else None)
+        filters = []
+        for queries, _, question_filter in items:
+            filters.extend([tuple(f) if f else None for f in question_filter] if question_filter else [None] * len(queries))
+        hits = (self.index or self.store).search(vectors, top, question_filter=filters if any(filters) else None)
         out: list[list[list[dict]]] = [[] for _ in items]
         for owner, row in zip(owners, hits):
             out[owner].append([_as_dict(h) for h in row[: items[owner][1]]])
@@ -67,8 +67,11 @@ class StepRetrieverService:
     async def _batched(self, items: list[tuple[list[str], int, list | None]]) -> list[list[list[dict]]]:
         return self._search(items)
 
-    async def retrieve(self, queries: list[str], top_k: int | None = None, question_ids: list[str] | None = None) -> list[list[dict]]:
-        item = (list(queries), int(top_k or self.top_k), list(question_ids) if question_ids else None)
+    async def retrieve(self, queries: list[str], top_k: int | None = None, question_filter: list | None = None) -> list[list[dict]]:
+        """Top-k stored steps per query; ``question_filter[i]``: None, ("other", question id) or ("own", question id)."""
+        if question_filter is not None and len(question_filter) != len(queries):
+            raise ValueError(f"question_filter has {len(question_filter)} entries for {len(queries)} queries")
+        item = (list(queries), int(top_k or self.top_k), list(question_filter) if question_filter else None)
         if self.batching:
             return await self._batched(item)
         return self._search([item])[0]
@@ -129,8 +132,8 @@ def build_app(rcfg, uri: str, batching: bool = True):
 class HandleStepRetriever:
     """``StepRetriever`` over the Serve deployment handle, top-1 by score (spec §8.4), optional noise."""
 
-    def __init__(self, handle, noise_prob: float = 0.0, same_question: bool = True, seed: int = 0, max_chars: int = 1300):
-        self.handle, self.noise_prob, self.same_question = handle, noise_prob, same_question
+    def __init__(self, handle, noise_prob: float = 0.0, question_scope: str = "any", seed: int = 0, max_chars: int = 1300):
+        self.handle, self.noise_prob, self.question_scope = handle, noise_prob, question_scope
         self.rng = random.Random(seed)
         self.max_chars = max_chars
         self._noise_pool: list[dict] = []
@@ -138,8 +141,8 @@ class HandleStepRetriever:
     def retrieve(self, queries, question_ids=None):
         if not queries:
             return []
-        excl = list(question_ids) if (question_ids is not None and not self.same_question) else None
-        rows = self.handle.retrieve.remote([q[-self.max_chars:] for q in queries], 1, excl).result()
+        filters = question_filter(self.question_scope, question_ids, len(queries))
+        rows = self.handle.retrieve.remote([q[-self.max_chars:] for q in queries], 1, filters).result()
         out = []
         for row in rows:
             if not row:

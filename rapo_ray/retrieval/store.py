@@ -126,23 +126,31 @@ class MilvusStepStore:
         self.client.upsert(self.collection, rows)
         return len(rows)
 
-    def search(self, vectors: np.ndarray, top_k: int = 3, exclude_question: Sequence[str] | None = None) -> list[list[RetrievedStep]]:
+    def search(self, vectors: np.ndarray, top_k: int = 3, question_filter: Sequence[tuple[str, str] | None] | None = None) -> list[list[RetrievedStep]]:
+        """HNSW search; ``question_filter`` as in ``ReplicaIndex.search`` ("own" runs one filtered search per query)."""
         if len(vectors) == 0:
             return []
-        res = self.client.search(
-            self.collection, data=[v.astype(np.float32).tolist() for v in vectors], limit=top_k + (8 if exclude_question else 0),
-            output_fields=["value", "value_ids", "reward", "question_id"],
-            search_params={"metric_type": "IP", "params": {"ef": max(SEARCH_EF, top_k)}})
-        out = []
-        for i, hits in enumerate(res):
-            row = []
-            for h in hits:
-                e = h["entity"]
-                if exclude_question and e["question_id"] == exclude_question[i]:
-                    continue
-                row.append(RetrievedStep(e["value"], json.loads(e["value_ids"]), float(h["distance"]), float(e["reward"]), e["question_id"]))
-            out.append(row[:top_k])
+        filters = list(question_filter) if question_filter else [None] * len(vectors)
+        plain = [i for i, f in enumerate(filters) if not f or f[0] != "own"]
+        out: list[list[RetrievedStep]] = [[] for _ in vectors]
+        if plain:
+            excluding = any(filters[i] for i in plain)
+            res = self._search([vectors[i] for i in plain], top_k + (8 if excluding else 0))
+            for i, hits in zip(plain, res):
+                skip = filters[i][1] if filters[i] else None
+                out[i] = [h for h in hits if skip is None or h.question_id != skip][:top_k]
+        for i, f in enumerate(filters):
+            if f and f[0] == "own":
+                out[i] = self._search([vectors[i]], top_k, expr=f"question_id == {json.dumps(f[1])}")[0]
         return out
+
+    def _search(self, vectors, limit: int, expr: str = "") -> list[list[RetrievedStep]]:
+        res = self.client.search(
+            self.collection, data=[np.asarray(v, dtype=np.float32).tolist() for v in vectors], limit=limit, filter=expr,
+            output_fields=["value", "value_ids", "reward", "question_id"],
+            search_params={"metric_type": "IP", "params": {"ef": max(SEARCH_EF, limit)}})
+        return [[RetrievedStep(h["entity"]["value"], json.loads(h["entity"]["value_ids"]), float(h["distance"]), float(h["entity"]["reward"]),
+                               h["entity"]["question_id"]) for h in hits] for hits in res]
 
     def count(self) -> int:
         return int(self.client.get_collection_stats(self.collection)["row_count"])
