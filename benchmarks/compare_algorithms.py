@@ -26,7 +26,12 @@ METHODS = {
     "rapo": ["algo.name=rapo"],
     "rapo w/o RR": ["algo.name=rapo", "algo.use_retrieval_reward=false"],
     "rapo w/o RIS": ["algo.name=rapo", "algo.use_importance_shaping=false"],
+    # not a paper arm: retrieval restricted to the querying question's own stored steps (a diagnosis of
+    # what nearest-by-history retrieval returns on templated problems; see docs/RESULTS.md)
+    "rapo own-question": ["algo.name=rapo", "retrieval.question_scope=own"],
 }
+DEFAULT_METHODS = ["grpo", "arpo", "rapo", "rapo w/o RR", "rapo w/o RIS"]
+REWARD_KEYS = ("on_policy_reward", "hybrid_reward", "retrieval_reward")  # means over the run's steps
 STEP_KEYS = ("step_s", "rollout_s", "old_logprob_s", "update_s", "sync_s", "rollout_tokens", "tool_calls", "retrievals")
 
 
@@ -57,7 +62,23 @@ def run_one(method: str, seed: int, args, out: Path) -> dict | None:
     return {"method": method, "seed": seed, "before": summary["before"], "after": summary["after"],
             "paired_change": summary.get("paired_change", {}),
             "curve": [(m["step"], m["reward"]) for m in steps],
-            "per_step": {k: statistics.median(m[k] for m in steps) for k in STEP_KEYS if steps and k in steps[0]}}
+            "per_step": {k: statistics.median(m[k] for m in steps) for k in STEP_KEYS if steps and k in steps[0]},
+            "rewards": {k: statistics.mean(m[k] for m in steps) for k in REWARD_KEYS if steps and k in steps[0]},
+            "slot_success": slot_success(run_dir)}
+
+
+def slot_success(run_dir: Path) -> dict:
+    """Training-rollout success rate per task family and slot kind over the whole run, with hybrid slots split
+    by whether a step was actually retrieved into them (from the run's trajectories/*.parquet)."""
+    import pyarrow.parquet as pq
+
+    counts: dict[str, list[int]] = {}
+    for f in sorted((run_dir / "trajectories").glob("step-*.parquet")):
+        for r in pq.read_table(f, columns=["problem_id", "slot_kind", "correct", "num_retrievals"]).to_pylist():
+            kind = "retrieved" if r["num_retrievals"] else ("hybrid, none retrieved" if r["slot_kind"] == "hybrid" else r["slot_kind"])
+            c = counts.setdefault(f"{r['problem_id'].split('-')[0]} {kind}", [0, 0])
+            c[0], c[1] = c[0] + int(r["correct"]), c[1] + 1
+    return {k: c / n for k, (c, n) in sorted(counts.items())}
 
 
 def _ms(xs) -> str:
@@ -83,6 +104,21 @@ def tables(results: list[dict]) -> str:
         if rs:
             cell = [statistics.mean(r["per_step"].get(k, 0.0) for r in rs) for k in STEP_KEYS]
             lines.append(f"| {method} | " + " | ".join(f"{c:.2f}" for c in cell[:5]) + " | " + " | ".join(f"{c:.0f}" for c in cell[5:]) + " |")
+    lines += ["", "| method | on-policy slot reward | hybrid slot reward | retrieval reward Z |", "|---|---|---|---|"]
+    for method in METHODS:
+        rs = [r for r in results if r["method"] == method and r.get("rewards")]
+        if rs:
+            cell = [_ms([r["rewards"].get(k, 0.0) for r in rs]) for k in REWARD_KEYS]
+            lines.append(f"| {method} | " + " | ".join(cell) + " |")
+    kinds = sorted({k for r in results for k in r.get("slot_success", {})})
+    if kinds:
+        lines += ["", "| method | " + " | ".join(f"{k} success" for k in kinds) + " |", "|---|" + "---|" * len(kinds)]
+        for method in METHODS:
+            rs = [r for r in results if r["method"] == method and r.get("slot_success")]
+            if rs:
+                cells = [_ms([r["slot_success"][k] for r in rs if k in r["slot_success"]]) if any(k in r["slot_success"] for r in rs) else "-"
+                         for k in kinds]
+                lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -114,7 +150,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--eval-size", type=int, default=100)
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma-separated, of: {', '.join(METHODS)}")
     ap.add_argument("--artifacts", default=str(REPO / "artifacts"), help="shared warm start + buffer (built once)")
     ap.add_argument("--out", default=str(REPO / "runs" / "compare"))
     ap.add_argument("--report", default=str(REPO / "benchmarks" / "results" / "compare.json"),

@@ -199,7 +199,8 @@ class TrainerConfig:
     learner_feed: str = _f("driver", "How PPO mini-batches reach the learners: driver (the driver splits each mini-batch per rank and sends it through the object store; a fixed row order, so resume is exact) or streaming_split (each epoch's rows become a Ray Data dataset that the learners consume through streaming_split; rows reach ranks dynamically, so summation order, and the last float bits, may differ between runs).", ("driver", "streaming_split"))
     advantages_on: str = _f("driver", "Where a step's group advantages are computed: in the driver, or as a Ray Data map_groups pipeline over the step's Arrow rows (same numbers). Ray Data needs free CPU slots: measured 40 ms per step on an idle 2-core box but 2.3 s per step inside the default run, whose actors hold most slots.", ("driver", "ray_data"))
     max_failures: int = _f(3, "Times a run rebuilds its learners and fleet from the last checkpoint after losing a learner (node loss) before giving up.")
-    sft_hybrid_fraction: float = _f(0.3, "Share of warm-start demos that contain a loss-masked <retrieve> block from another question.")
+    sft_hybrid_fraction: float = _f(0.3, "Share of warm-start demos that contain a loss-masked <retrieve> block.")
+    sft_retrieval_scope: str = _f("other", "Where the warm-start demos' retrieved blocks come from: other (steps of 200 other training questions: the policy learns to read past a block it cannot use) or own (the demo question's own expert steps: the expert continues from a retrieved step that is exactly its next one, so the policy learns to build on a fitting retrieved step).", ("other", "own"))
 
 
 @dataclass

@@ -149,7 +149,7 @@ def sft_span(cfg) -> int:
 
 def warm_start_dir(cfg) -> Path:
     t = cfg.trainer
-    key = json.dumps([str(resolve_model_dir(cfg)), t.sft_examples, t.sft_hard_examples, t.sft_steps, t.sft_lr, t.sft_batch_size, t.sft_hybrid_fraction,
+    key = json.dumps([str(resolve_model_dir(cfg)), t.sft_examples, t.sft_hard_examples, t.sft_steps, t.sft_lr, t.sft_batch_size, t.sft_hybrid_fraction, *([t.sft_retrieval_scope] if t.sft_retrieval_scope != "other" else []),
                       sorted(cfg.tasks.families), cfg.tasks.seed, cfg.tasks.system_prompt, t.sft_seed, cfg.rollout.max_response_tokens])
     return Path(cfg.run.artifacts_dir) / f"warm-start-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
 
@@ -170,10 +170,12 @@ def warm_start(cfg, log=print, force: bool = False) -> Path:
             demos_tasks[fam] = sft_tasks(cfg, tasks)
             used = {t.id for t in demos_tasks[fam]}
             pool_tasks[fam] = [t for t in tasks if t.id not in used][-200:]  # other questions: the retrieve-format pool
-        pool = [t for ts in pool_tasks.values() for t in ts]
+        demo_list = [t for ts in demos_tasks.values() for t in ts]
+        scope = cfg.trainer.sft_retrieval_scope
+        pool = [t for ts in pool_tasks.values() for t in ts] if scope == "other" else demo_list
         pool_steps = [s for tr in expert_trajectories(cfg, tok, tools, pool, seed=cfg.trainer.sft_seed) for s in steps_of(tok, tr)]
-        retriever = InMemoryStepRetriever(pool_steps, question_scope="other")
-        demos = expert_trajectories(cfg, tok, tools, [t for ts in demos_tasks.values() for t in ts],
+        retriever = InMemoryStepRetriever(pool_steps, question_scope=scope)
+        demos = expert_trajectories(cfg, tok, tools, demo_list,
                                     hybrid_fraction=cfg.trainer.sft_hybrid_fraction, retriever=retriever, seed=cfg.trainer.sft_seed)
         examples = sft_examples(demos)
         log(f"warm start: {len(examples)} expert demonstrations ({sum(1 for d in demos if d.num_retrievals)} with retrieved blocks), "

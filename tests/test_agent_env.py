@@ -15,7 +15,7 @@ from rapo_ray.envs import tasks as bundled
 from rapo_ray.envs.expert import ScriptedExpertEngine
 from rapo_ray.envs.loaders import DataError, gsm8k_to_trajectory_text, load_examples
 from rapo_ray.envs.rewards import format_ok, math_equal, score, token_f1
-from rapo_ray.envs.suite import build_tools, task_splits
+from rapo_ray.envs.suite import build_tools, task_difficulty, task_splits
 from rapo_ray.envs.tools import LexicalIndex, PythonSandbox, SandboxLimits
 from rapo_ray.sft import steps_of
 
@@ -64,6 +64,43 @@ def test_expert_solves_every_family_through_real_tools(tiny_cfg, tiny_tokenizer,
         assert acc >= 0.99, fam
         assert all(t.format_ok and t.reward == 1.0 for t in trajs)
         assert all(t.tool_calls >= 2 for t in trajs)  # multi-step: every problem needs 2-3 tool calls
+
+
+def test_expert_continues_from_a_retrieved_step_that_is_its_next_one():
+    q = "Ben has 756 pens. Ben buys 9 boxes of 51 pens. Ben finds 108 more pens. Ben finds 508 more pens. How many pens does Ben have now?"
+    expert = ScriptedExpertEngine(None)
+    step = lambda response: expert.next_step(f"{protocol.USER}{q}{protocol.ASSISTANT}{response}")
+    own = "<think>compute 756 + 9 * 51</think><python>print(756 + 9 * 51)</python><result>1215</result>"
+    fits = "<retrieve><think>compute 1215 + 108</think><python>print(1215 + 108)</python><result>1323</result></retrieve>"
+    other = "<retrieve><think>compute 99 + 108</think><python>print(99 + 108)</python><result>207</result></retrieve>"
+    last = "<retrieve><think>compute 1323 + 508</think><python>print(1323 + 508)</python><result>1831</result></retrieve>"
+    assert "print(1215 + 108)" in step(own) and "print(1215 + 108)" in step(own + other)  # another question's step: ignored
+    assert "print(1323 + 508)" in step(own + fits)  # its own next step, retrieved: built upon
+    assert step(own + fits + last).endswith("<answer>\\boxed{1831}</answer>")
+    assert "print(756 + 9 * 51)" in step(fits)  # a later step before the first one does not fit
+    mq = "Who is the sibling of the rival of the neighbor of Jopado?"
+    m1 = "<think>x</think><search>neighbor of Jopado</search><result>The neighbor of Jopado is Vesire.</result>"
+    mr = "<retrieve><think>x</think><search>rival of Vesire</search><result>The rival of Vesire is Kalo.</result></retrieve>"
+    assert expert.next_step(f"{protocol.USER}{mq}{protocol.ASSISTANT}{m1}{mr}").endswith("<search>sibling of Kalo</search>")
+
+
+def test_warm_start_hybrid_demos_with_own_question_steps(tiny_cfg, tiny_tokenizer, tools):
+    """sft_retrieval_scope=own: hybrid demos splice in the question's own expert steps and the expert builds on
+    them, so those demos still solve the problem with fewer tool calls of its own."""
+    from rapo_ray.sft import expert_trajectories
+
+    _, test = task_splits(tiny_cfg.tasks)
+    tasks_ = test["arith"][:6] + test["multihop"][:6]
+    steps = [st for tr in expert_trajectories(tiny_cfg, tiny_tokenizer, tools, tasks_) for st in steps_of(tiny_tokenizer, tr)]
+    demos = expert_trajectories(tiny_cfg, tiny_tokenizer, tools, tasks_, hybrid_fraction=1.0,
+                                retriever=InMemoryStepRetriever(steps, question_scope="own"), seed=1)
+    with_blocks = [d for d in demos if d.num_retrievals]
+    assert all(d.correct for d in demos) and len(with_blocks) >= 4
+    assert all(r.source_id == d.problem_id for d in with_blocks for r in d.retrievals)
+    plan_steps = {t.id: task_difficulty(t) for t in tasks_}
+    # a retrieved step that was the expert's next one is not redone (a retrieved repeat of a done step is ignored)
+    assert all(d.tool_calls + d.num_retrievals >= plan_steps[d.problem_id] for d in with_blocks)
+    assert sum(d.tool_calls < plan_steps[d.problem_id] for d in with_blocks) >= 3
 
 
 def test_expert_with_errors_varies_rewards(tiny_cfg, tiny_tokenizer, tools):

@@ -297,8 +297,9 @@ class AgentLoop:
                         if call is None:
                             continue
                         tool, content = call
-                        if content.startswith("\x00error:"):
-                            self._append_tool_result(t, ToolResult("Error: " + content[len("\x00error:"):], False))
+                        malformed = _malformed_call_result(content)
+                        if malformed is not None:
+                            self._append_tool_result(t, malformed)
                             self._after_tool(trajs, i, budgets, brancher, start_turn)
                         else:
                             in_flight[self.tools.submit(tool, content)] = ("tool", i, time.perf_counter())
@@ -403,8 +404,9 @@ class AgentLoop:
         results: list[ToolResult | None] = [None] * len(calls)
         todo = []
         for k, (_, tool, content) in enumerate(calls):
-            if content.startswith("\x00error:"):
-                results[k] = ToolResult("Error: " + content[len("\x00error:"):], False)
+            malformed = _malformed_call_result(content)
+            if malformed is not None:
+                results[k] = malformed
             else:
                 todo.append(k)
         for k, res in zip(todo, self.tools.call_many([(calls[k][1], calls[k][2]) for k in todo])):
@@ -475,6 +477,11 @@ class AgentLoop:
         # Policy-generated text only: tool results and retrieved blocks earn nothing.
         sc = rewards.score(generated_text(self.tok, t), t.answers, t.task_kind, self.s.tool_bonus)
         t.reward, t.correct, t.f1, t.format_ok, t.answer = sc.reward, sc.correct, sc.f1, sc.format_ok, sc.answer
+
+
+def _malformed_call_result(content: str) -> ToolResult | None:
+    """The error result a malformed call gets instead of running (``_parse_call``'s marker), else None."""
+    return ToolResult("Error: " + content[len("\x00error:"):], False) if content.startswith("\x00error:") else None
 
 
 def generated_text(tokenizer, t: Trajectory) -> str:

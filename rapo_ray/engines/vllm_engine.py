@@ -121,7 +121,7 @@ class VLLMEngine(InferenceEngine):
         self._driver: threading.Thread | None = None
         self._closing = False
         self._request_ids = itertools.count()
-        self.llm = None
+        self.llm = None  # close() works even if LLM() below fails
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self._shm = Path(tempfile.mkdtemp(prefix="rapo_ray_weights_", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
@@ -144,7 +144,7 @@ class VLLMEngine(InferenceEngine):
         fut: Future = Future()
         request = (fut, list(prompt), self._vllm_params(params))
         with self._cv:
-            if self.llm is None:
+            if self.llm is None or self._closing:
                 raise RuntimeError("VLLMEngine is closed")
             self._submitted.append(request)
             if self._driver is None:

@@ -20,8 +20,12 @@ from rapo_ray.engines.base import GenerationResult, InferenceEngine
 _ARITH_OPS = re.compile(r"(buys (\d+) boxes of (\d+))|(gives away (\d+))|(finds (\d+) more)")
 _ARITH_START = re.compile(r"^\w+ has (\d+) ")
 _HOP = re.compile(r"the (\w+) of ")
-_RESULT = re.compile(re.escape(protocol.RESULT[0]) + r"(.*?)" + re.escape(protocol.RESULT[1]), re.S)
 _FACT = re.compile(r"The (\w+) of (\w+) is (\w+)\.")
+_CALL_RESULT = r"(?:{open_py}|{open_se})(.*?)(?:{close_py}|{close_se}).*?{open_r}(.*?){close_r}".format(
+    open_py=re.escape(protocol.PYTHON[0]), open_se=re.escape(protocol.SEARCH[0]), close_py=re.escape(protocol.PYTHON[1]),
+    close_se=re.escape(protocol.SEARCH[1]), open_r=re.escape(protocol.RESULT[0]), close_r=re.escape(protocol.RESULT[1]))
+# one step in response order: a retrieved block (groups 1-3) or the expert's own call and its result (groups 4-5)
+_BLOCK = re.compile("(" + re.escape(protocol.RETRIEVE[0]) + ").*?" + _CALL_RESULT + ".*?" + re.escape(protocol.RETRIEVE[1]) + "|" + _CALL_RESULT, re.S)
 
 
 def arith_plan(question: str) -> tuple[int, list[str]] | None:
@@ -75,24 +79,50 @@ class ScriptedExpertEngine(InferenceEngine):
     def next_step(self, context: str) -> str:
         question = context.split(protocol.USER, 1)[-1].split(protocol.ASSISTANT, 1)[0]
         response = context.split(protocol.ASSISTANT, 1)[-1]
-        # Only the expert's own steps count: text inside <retrieve> blocks is ignored.
-        own = re.sub(re.escape(protocol.RETRIEVE[0]) + ".*?" + re.escape(protocol.RETRIEVE[1]), "", response, flags=re.S)
-        results = _RESULT.findall(own)
-        done = len(results)
         plan = arith_plan(question)
         if plan is not None:
-            return self._arith_step(plan, results, done)
+            results = self._steps_done(response, lambda results, call: call == f"print({self._arith_state(plan, results)} {plan[1][len(results)]})"
+                                       if len(results) < len(plan[1]) else False)
+            return self._arith_step(plan, results, len(results))
         plan = multihop_plan(question)
         if plan is not None:
-            return self._multihop_step(plan, results, done)
+            results = self._steps_done(response, lambda results, call: call == f"{plan[1][len(results)]} of {self._multihop_state(plan, results)}"
+                                       if len(results) < len(plan[1]) else False)
+            return self._multihop_step(plan, results, len(results))
         return self._answer("unknown")
+
+    @staticmethod
+    def _steps_done(response: str, is_next_step) -> list[str]:
+        """Tool results of the steps done so far: the expert's own, plus any retrieved step that is exactly the
+        call the expert would make next (it continues from that step's result instead of redoing it); other
+        retrieved blocks (another question's step, a wrong one) are ignored."""
+        results: list[str] = []
+        for block in _BLOCK.finditer(response):
+            retrieved = block.group(1) is not None
+            call, result = (block.group(2), block.group(3)) if retrieved else (block.group(4), block.group(5))
+            if not retrieved or is_next_step(results, call.strip()):
+                results.append(result)
+        return results
+
+    @staticmethod
+    def _arith_state(plan, results) -> str:
+        return str(plan[0]) if not results else results[-1].strip()
+
+    @staticmethod
+    def _multihop_state(plan, results) -> str:
+        start, rels = plan
+        current = start
+        for k, result in enumerate(results):  # follow the chain through the facts the searches actually returned
+            facts = {(r, subj): obj for r, subj, obj in _FACT.findall(result)}
+            current = facts.get((rels[k], current), current)
+        return current
 
     def _err(self) -> bool:
         return self.rng.random() < self.error_rate
 
     def _arith_step(self, plan, results, done) -> str:
-        start, ops = plan
-        current = start if done == 0 else results[-1].strip()
+        ops = plan[1]
+        current = self._arith_state(plan, results)
         if done >= len(ops) or (done > 0 and self._err()):
             return self._answer(current)
         op = ops[done]
@@ -102,11 +132,8 @@ class ScriptedExpertEngine(InferenceEngine):
         return f"{protocol.THINK[0]}compute {expr}{protocol.THINK[1]}{protocol.PYTHON[0]}print({expr}){protocol.PYTHON[1]}"
 
     def _multihop_step(self, plan, results, done) -> str:
-        start, rels = plan
-        current = start
-        for k in range(done):  # follow the chain through the facts the searches actually returned
-            facts = {(r, subj): obj for r, subj, obj in _FACT.findall(results[k])}
-            current = facts.get((rels[k], current), current)
+        rels = plan[1]
+        current = self._multihop_state(plan, results)
         if done >= len(rels) or (done > 0 and self._err()):
             return self._answer(current)
         rel = rels[done]

@@ -162,7 +162,8 @@ class PythonSandbox:
         except Exception:
             server.kill()  # a server that broke protocol or hung is not reused
             with self._lock:
-                self._servers.remove(server)
+                if server in self._servers:  # close() may have dropped it already
+                    self._servers.remove(server)
             raise
         with self._lock:
             self._idle_servers.append(server)
