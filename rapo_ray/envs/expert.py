@@ -81,28 +81,38 @@ class ScriptedExpertEngine(InferenceEngine):
         response = context.split(protocol.ASSISTANT, 1)[-1]
         plan = arith_plan(question)
         if plan is not None:
-            results = self._steps_done(response, lambda results, call: call == f"print({self._arith_state(plan, results)} {plan[1][len(results)]})"
-                                       if len(results) < len(plan[1]) else False)
+            results = self._steps_done(response, lambda results: self._arith_call(plan, results))
             return self._arith_step(plan, results, len(results))
         plan = multihop_plan(question)
         if plan is not None:
-            results = self._steps_done(response, lambda results, call: call == f"{plan[1][len(results)]} of {self._multihop_state(plan, results)}"
-                                       if len(results) < len(plan[1]) else False)
+            results = self._steps_done(response, lambda results: self._multihop_call(plan, results))
             return self._multihop_step(plan, results, len(results))
         return self._answer("unknown")
 
     @staticmethod
-    def _steps_done(response: str, is_next_step) -> list[str]:
-        """Tool results of the steps done so far: the expert's own, plus any retrieved step that is exactly the
-        call the expert would make next (it continues from that step's result instead of redoing it); other
-        retrieved blocks (another question's step, a wrong one) are ignored."""
+    def _steps_done(response: str, next_call) -> list[str]:
+        """Tool results of the steps done so far: the expert's own, plus any retrieved step whose call is exactly
+        ``next_call(results so far)``, the one the expert would make next (it continues from that step's result
+        instead of redoing it); other retrieved blocks (another question's step, a wrong one) are ignored."""
         results: list[str] = []
         for block in _BLOCK.finditer(response):
             retrieved = block.group(1) is not None
             call, result = (block.group(2), block.group(3)) if retrieved else (block.group(4), block.group(5))
-            if not retrieved or is_next_step(results, call.strip()):
+            if not retrieved or call.strip() == next_call(results):
                 results.append(result)
         return results
+
+    @classmethod
+    def _arith_call(cls, plan, results) -> str | None:
+        """The error-free next python call (None once every operation is done)."""
+        ops = plan[1]
+        return f"print({cls._arith_state(plan, results)} {ops[len(results)]})" if len(results) < len(ops) else None
+
+    @classmethod
+    def _multihop_call(cls, plan, results) -> str | None:
+        """The error-free next search (None once every hop is done)."""
+        rels = plan[1]
+        return f"{rels[len(results)]} of {cls._multihop_state(plan, results)}" if len(results) < len(rels) else None
 
     @staticmethod
     def _arith_state(plan, results) -> str:
