@@ -5,7 +5,8 @@ Each step the driver sends every rank the same number of micro-batches (dummy ro
 keep ranks in lockstep, since FSDP's collectives need every rank in every forward/backward):
 1. ``forward_old``: log-probs and full-vocabulary entropies of the response tokens under pi_old (RAPO's
    step entropies come from here, spec ambiguity 1a);
-2. ``update``: PPO mini-batches with the clipped RAPO/GRPO loss, gradient clipping, lr schedule.
+2. ``update``: PPO mini-batches with the clipped RAPO/GRPO loss, gradient clipping, lr schedule; with
+   ``algo.kl_coef > 0`` plus a KL penalty against the starting policy (a frozen copy on each rank).
 The loss of each shard is divided by the global token (or sequence) count of its mini-batch, so the sum
 over ranks is the full mini-batch loss; FSDP averages gradients over ranks, so the loss is multiplied by
 the world size before backward to get the summed gradient.
@@ -102,6 +103,16 @@ class LearnerWorker:
                 fully_shard(layer)
             fully_shard(model)
         self.model = model.train()
+        # The KL penalty's reference is the policy the run started from (learners are always built from
+        # the starting model; a resume loads the checkpoint into self.model only). Sharded like the policy.
+        self.ref_model = None
+        if self.cfg.algo.kl_coef > 0:
+            ref = load_model(model_dir, dtype=dtype, device=str(self.device)).eval().requires_grad_(False)
+            if lc.fsdp:
+                for layer in ref.model.layers:
+                    fully_shard(layer)
+                fully_shard(ref)
+            self.ref_model = ref
         self.opt = torch.optim.AdamW(model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay, betas=(0.9, 0.999), eps=1e-8)
         total = max(1, self.cfg.trainer.total_steps)
 
@@ -124,8 +135,13 @@ class LearnerWorker:
 
     # ------------------------------------------------------------ passes
 
-    def _logits(self, ids, attn):
-        return self.model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device)).logits[:, :-1].float()
+    def _logits(self, ids, attn, model=None):
+        model = self.model if model is None else model
+        return model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device)).logits[:, :-1].float()
+
+    def _target_logprobs(self, logits, ids):
+        """[B, L-1] log-prob of each next token under ``logits``."""
+        return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None].to(self.device))[..., 0]
 
     @torch.no_grad()
     def forward_old(self, micro_batches: list[list[LearnerRow]]) -> list[list[tuple[list[float], list[float]]]]:
@@ -134,7 +150,7 @@ class LearnerWorker:
         for rows in micro_batches:
             ids, attn, resp, _, _ = _collate(rows, self.pad_id)
             logits = self._logits(ids, attn)
-            logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None].to(self.device))[..., 0].cpu()
+            logp = self._target_logprobs(logits, ids).cpu()
             ent = token_entropy_from_logits(logits).cpu()
             res = []
             for i, r in enumerate(rows):
@@ -178,16 +194,20 @@ class LearnerWorker:
             self.opt.zero_grad(set_to_none=True)
             for rows in micro_batches:
                 ids, attn, _, mask, old = _collate(rows, self.pad_id)
-                logits = self._logits(ids, attn)
-                logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None].to(self.device))[..., 0]
+                ref_logp = None
+                if self.ref_model is not None:  # the KL penalty's reference log-probs (no gradient)
+                    with torch.no_grad():
+                        ref_logp = self._target_logprobs(self._logits(ids, attn, self.ref_model), ids)
+                logp = self._target_logprobs(self._logits(ids, attn), ids)
                 adv = torch.tensor([r.advantage for r in rows], dtype=torch.float32, device=self.device)
                 shaping = torch.tensor([r.shaping for r in rows], dtype=torch.float32, device=self.device)
                 loss, m = policy_loss(logp, old.to(self.device), adv, mask.to(self.device), self.loss_cfg,
-                                      shaping=shaping, denominator=denominator)
+                                      shaping=shaping, ref_logp=ref_logp, denominator=denominator)
                 (loss * self.world).backward()
                 w = m["loss_tokens"]
-                for k in ("clip_frac", "approx_kl", "ratio_mean"):
-                    stats[k] = stats.get(k, 0.0) + m[k] * w
+                for k in ("clip_frac", "approx_kl", "ratio_mean", "kl_ref"):
+                    if k in m:
+                        stats[k] = stats.get(k, 0.0) + m[k] * w
                 stats["loss"] = stats.get("loss", 0.0) + loss.item()
                 n += w
             gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.learner.grad_clip)
@@ -195,7 +215,7 @@ class LearnerWorker:
             stats["grad_norm"] = stats.get("grad_norm", 0.0) + float(gn)
             self.opt.step()
         self.sched.step()
-        out = {k: v / max(n, 1) for k, v in stats.items() if k in ("clip_frac", "approx_kl", "ratio_mean")}
+        out = {k: v / max(n, 1) for k, v in stats.items() if k in ("clip_frac", "approx_kl", "ratio_mean", "kl_ref")}
         out["loss_sum"] = stats.get("loss", 0.0)
         out["grad_norm"] = stats.get("grad_norm", 0.0) / max(len(mini_batches), 1)
         out["loss_tokens"] = n

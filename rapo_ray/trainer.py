@@ -149,7 +149,8 @@ def _gather(refs: list) -> list:
         ready, pending = ray.wait(pending, num_returns=1)
         try:
             results[ready[0]] = ray.get(ready[0])  # each result fetched once (a full state dict can be GBs)
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+        # ObjectLostError: the learner finished, but its node went away before its result was fetched
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.ObjectLostError) as exc:
             raise LearnerLost(f"a learner died: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
     return [results[r] for r in refs]
 

@@ -1,6 +1,7 @@
 """The agent environment: tasks, expert, tools, rewards, loaders and the multi-turn loop."""
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -120,6 +121,20 @@ def test_lexical_search_ranks_exact_fact_first(tiny_cfg):
     (rel, ent), obj = next(iter(sorted(world.facts.items())))
     hits = idx.search(f"{rel} of {ent}", 3)
     assert len(hits) == 3 and hits[0][0] == f"The {rel} of {ent} is {obj}."
+
+
+def test_lexical_search_is_the_same_in_every_process(tiny_cfg):
+    """Rollout workers are separate processes with their own string-hash seeds; a query with tied documents
+    ("rival of neighbor of X" matches many facts equally) must still get one answer everywhere."""
+    import subprocess
+    import sys
+
+    code = ("from rapo_ray.envs import tasks as b\nfrom rapo_ray.envs.tools import LexicalIndex\n"
+            f"idx = LexicalIndex(b.make_world({tiny_cfg.tasks.seed}).documents())\n"
+            "print([d for d, _ in idx.search('rival of neighbor of Losi', 3)])\n")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in range(6)}
+    assert len(outs) == 1, outs
 
 
 HOSTILE = {

@@ -13,7 +13,11 @@ def test_defaults_follow_the_paper():
     cfg = load_config()
     a = cfg.algo
     assert (a.name, a.group_size, a.n_hybrid, a.retrieve_prob) == ("rapo", 16, 8, 0.5)
-    assert (a.shaping_weight, a.advantage_weight, a.clip_low, a.clip_high, a.kl_coef) == (0.05, 0.2, 0.28, 0.28, 0.0)
+    assert (a.shaping_weight, a.advantage_weight, a.clip_low, a.clip_high) == (0.05, 0.2, 0.28, 0.28)
+    # the one deliberate departure: a KL penalty to the starting policy (paper: none), see its help text
+    assert a.kl_coef == 0.1 and "paper uses 0" in type(a).__dataclass_fields__["kl_coef"].metadata.get("help", "")
+    for paper in ("paper_qwen2.5_3b.yaml", "paper_qwen2.5_7b.yaml"):  # the paper's own configs keep it off
+        assert load_config(REPO / "configs" / paper).algo.kl_coef == 0.0
 
 
 def test_round_trip_yaml(tmp_path):

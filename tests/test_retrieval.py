@@ -81,8 +81,14 @@ def test_replica_index_matches_brute_force_and_milvus(lite):
     moved = vec[:1] * -1
     index.add_rows(step_rows(steps[:1], moved))
     assert len(index) == 400 and index.search(moved, top_k=1)[0][0].value == steps[0].value
-    index.add_rows(step_rows([StoredStep("new", "<think>new</think>", [1], 1.0, "qn", 0, "x")], _unit(1, 16, 9)))
+    new_row = step_rows([StoredStep("new", "<think>new</think>", [1], 1.0, "qn", 0, "x")], _unit(1, 16, 9))
+    index.add_rows(new_row)
     assert len(index) == 401 and index.search(_unit(1, 16, 9), top_k=1)[0][0].value == "<think>new</think>"
+    # a row replaced under the same id with another question id leaves the old question's "own" rows
+    index.add([new_row[0]["id"]], _unit(1, 16, 9), [("<think>moved</think>", "[]", 0.0, "q-moved")])
+    assert len(index) == 401
+    assert [h.value for h in index.search(_unit(1, 16, 9), top_k=3, question_filter=[("own", "q-moved")])[0]] == ["<think>moved</think>"]
+    assert index.search(_unit(1, 16, 9), top_k=3, question_filter=[("own", "qn")]) == [[]]
     with pytest.raises(ValueError, match="dim 8"):
         index.add(["x"], np.zeros((1, 8), dtype=np.float32), [("v", "[]", 0.0, "q")])
     assert ReplicaIndex(16).search(queries[:2], top_k=3) == [[], []]  # empty buffer: no hits, no error
@@ -93,6 +99,46 @@ def test_dimension_mismatch_is_clear(lite):
     MilvusStepStore(lite, "dims", dim=16).close()
     with pytest.raises(StoreError, match="has vector dim 16, but the embedder gives 384"):
         MilvusStepStore(lite, "dims", dim=384)
+
+
+def test_milvus_lite_server_dies_with_its_run_and_a_held_lock_is_named(tmp_path):
+    """A run killed with SIGKILL takes its milvus-lite server with it, so the next run can open the same data
+    directory; a second server on a directory that is in use fails with an error that says so."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    data = tmp_path / "srv"
+    script = (f"import sys, time\nfrom rapo_ray.retrieval.store import MilvusLiteServer\n"
+              f"s = MilvusLiteServer({str(data)!r})\nprint(s.proc.pid, flush=True)\ntime.sleep(600)\n")
+    run = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    server_pid = None
+    try:
+        server_pid = int(run.stdout.readline())
+        with pytest.raises(StoreError, match="another milvus-lite server holds the data directory"):
+            MilvusLiteServer(data, start_timeout_s=30)
+        run.send_signal(signal.SIGKILL)
+        run.wait()
+        deadline = time.time() + 30
+        while time.time() < deadline and _alive(server_pid):
+            time.sleep(0.2)
+        assert not _alive(server_pid), "the killed run's milvus-lite server is still running"
+        again = MilvusLiteServer(data)  # the lock is free again
+        again.stop()
+    finally:
+        run.kill()
+        if server_pid and _alive(server_pid):
+            os.kill(server_pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
 
 
 def test_unreachable_milvus_names_uri():

@@ -80,6 +80,35 @@ def test_scale_up_down_and_weight_sync(ray_session, fleet_cfg, tiny_model_dir):
         fleet.shutdown()
 
 
+def test_kl_penalty_pulls_the_policy_back_to_the_starting_model(ray_session, fleet_cfg, tiny_model_dir):
+    """algo.kl_coef > 0: the learner keeps a frozen copy of the starting model; KL is 0 before any update,
+    > 0 after a policy-gradient step, and zero-advantage updates (KL term only) shrink it again."""
+    from dataclasses import asdict, replace
+
+    from rapo_ray.learner import LearnerRow, LearnerWorker
+    from rapo_ray.net import free_port
+
+    cfg = replace(fleet_cfg, algo=replace(fleet_cfg.algo, kl_coef=1.0), learner=replace(fleet_cfg.learner, lr=3e-3, world_size=1))
+    actor = ray.remote(num_cpus=0.5)(LearnerWorker).remote(0, 1, free_port(), str(tiny_model_dir), asdict(cfg), "gloo")
+    try:
+        rows = [LearnerRow(list(range(3, 3 + 3 + 6 + i)), 3, [1] * (6 + i)) for i in range(4)]  # 3 prompt tokens
+        (old,) = ray.get(actor.forward_old.remote([rows]))
+        for r, (logp, _) in zip(rows, old):
+            r.old_logprobs = logp
+        for i, r in enumerate(rows):
+            r.advantage = 1.0 if i % 2 else -1.0
+        push = ray.get(actor.update.remote([([rows], float(sum(len(r.loss_mask) for r in rows)))]))
+        assert push["kl_ref"] == pytest.approx(0.0, abs=1e-7)  # the first forward is the reference itself
+        (moved,) = ray.get(actor.forward_old.remote([rows]))
+        for r, (logp, _) in zip(rows, moved):
+            r.old_logprobs, r.advantage = logp, 0.0
+        kls = [ray.get(actor.update.remote([([rows], float(sum(len(r.loss_mask) for r in rows)))]))["kl_ref"] for _ in range(4)]
+        assert kls[0] > 1e-4 and kls[-1] < 0.5 * kls[0]
+    finally:
+        ray.get(actor.shutdown.remote())
+        ray.kill(actor)
+
+
 def test_impossible_resources_fail_fast(ray_session, fleet_cfg):
     from rapo_ray.trainer import check_resources
     from tests.conftest import tiny_config

@@ -9,7 +9,6 @@ top-k log-probabilities (ARPO's method) and say so in ``entropy_is_estimate``.
 from __future__ import annotations
 
 import abc
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -43,9 +42,6 @@ class GenerationResult:
     entropy_is_estimate: bool = False
 
 
-_SUBMIT_POOL_LOCK = threading.Lock()
-
-
 class InferenceEngine(abc.ABC):
     """Batched generation from token ids, with in-place weight updates stamped with a policy version."""
 
@@ -53,6 +49,8 @@ class InferenceEngine(abc.ABC):
 
     def __init__(self):
         self.version = 0
+        # Threads start only on first use, so engines that never call submit() pay nothing for it.
+        self._submit_pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix=f"{self.name}-submit")
 
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[GenerationResult]:
@@ -70,16 +68,11 @@ class InferenceEngine(abc.ABC):
         engine that merges concurrent calls into one decode batch (the torch engine); vLLM overrides it
         with its own step loop.
         """
-        with _SUBMIT_POOL_LOCK:
-            if getattr(self, "_submit_pool", None) is None:
-                self._submit_pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix=f"{self.name}-submit")
         return self._submit_pool.submit(lambda: self.generate([list(prompt)], [params])[0])
 
     def close(self) -> None:
         """Release resources; the engine is unusable afterwards."""
-        pool = getattr(self, "_submit_pool", None)
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+        self._submit_pool.shutdown(wait=False, cancel_futures=True)
 
     @staticmethod
     def _per_prompt(params, n: int) -> list[SamplingParams]:

@@ -276,12 +276,15 @@ class LexicalIndex:
                 self._postings.setdefault(w, []).append(i)
 
     def search(self, query: str, k: int = 3) -> list[tuple[str, float]]:
-        q = set(_words(query))
-        scores: Counter = Counter()
-        for w in q:
+        # Sorted words and an explicit (score, document order) ranking: a set's order follows the per-process
+        # string hash seed, which changed float sums and tie order between processes (rollout workers
+        # returned different results for one query, so runs were not reproducible).
+        scores: dict[int, float] = {}
+        for w in sorted(set(_words(query))):
             for i in self._postings.get(w, ()):
-                scores[i] += self._idf[w]
-        return [(self.documents[i], s) for i, s in scores.most_common(k)]
+                scores[i] = scores.get(i, 0.0) + self._idf[w]
+        best = sorted(scores.items(), key=lambda item: (-item[1], item[0]))[:k]
+        return [(self.documents[i], s) for i, s in best]
 
 
 class SearchTool:

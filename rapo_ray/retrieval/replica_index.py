@@ -28,6 +28,7 @@ class ReplicaIndex:
         self._n = 0
         self._row_of: dict[str, int] = {}
         self._payload: list[tuple[str, str, float, str]] = []  # value, value_ids JSON, reward, question_id
+        self._rows_of_question: dict[str, set[int]] = {}  # for question_scope=own: no scan over every row
 
     @classmethod
     def from_store(cls, store, batch_size: int = 2000) -> "ReplicaIndex":
@@ -66,7 +67,9 @@ class ReplicaIndex:
                     grown[: row] = self._vectors[: row]
                     self._vectors = grown
             else:
+                self._rows_of_question[self._payload[row][3]].discard(row)
                 self._payload[row] = p
+            self._rows_of_question.setdefault(p[3], set()).add(row)
             self._vectors[row] = v
 
     def search(self, vectors: np.ndarray, top_k: int = 3, question_filter: Sequence[tuple[str, str] | None] | None = None) -> list[list[RetrievedStep]]:
@@ -77,12 +80,11 @@ class ReplicaIndex:
         if self._n == 0:
             return [[] for _ in vectors]
         scores = np.asarray(vectors, dtype=np.float32) @ self._vectors[: self._n].T  # [Q, N]
-        qids = np.asarray([p[3] for p in self._payload[: self._n]], dtype=object) if question_filter and any(question_filter) else None
         out = []
         for q, row_scores in enumerate(scores):
             scope, qid = (question_filter[q] if question_filter and question_filter[q] else ("any", None))
             if scope == "own":
-                rows = np.flatnonzero(qids == qid)
+                rows = np.fromiter(sorted(self._rows_of_question.get(qid, ())), dtype=np.int64)
                 hits = rows[np.argsort(-row_scores[rows], kind="stable")][:top_k].tolist()
             else:
                 excluded = qid if scope == "other" else None

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,6 +176,19 @@ class MilvusStepStore:
             pass
 
 
+def _dies_with_this_thread(argv: list[str]) -> list[str]:
+    """On Linux, wrap ``argv`` so the server gets SIGTERM when the thread that starts it ends, even by SIGKILL:
+    a killed run must not leave a server holding its data directory's lock. Only from the main thread (the
+    signal follows the creating thread, not the process); elsewhere, and off Linux, ``argv`` unchanged."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return argv
+    launcher = ("import ctypes, os, signal, sys\n"
+                "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+                "if os.getppid() != int(sys.argv[1]): sys.exit(1)  # the parent is already gone\n"
+                "os.execv(sys.argv[2], sys.argv[2:])\n")
+    return [sys.executable, "-c", launcher, str(os.getpid()), *argv]
+
+
 class MilvusLiteServer:
     """``milvus-lite server --data-dir DIR --host 127.0.0.1 --port P`` as a managed child process."""
 
@@ -184,13 +199,21 @@ class MilvusLiteServer:
         exe = shutil.which("milvus-lite") or str(Path(sys.executable).with_name("milvus-lite"))
         if not Path(exe).exists():
             raise StoreError("the milvus-lite executable was not found (pip install milvus-lite)")
-        self.log = open(self.data_dir / "milvus-lite-server.log", "ab")
-        self.proc = subprocess.Popen([exe, "server", "--data-dir", str(self.data_dir), "--host", "127.0.0.1", "--port", str(self.port)],
+        log_path = self.data_dir / "milvus-lite-server.log"
+        self.log = open(log_path, "ab")
+        log_start = self.log.tell()
+        self.proc = subprocess.Popen(_dies_with_this_thread([exe, "server", "--data-dir", str(self.data_dir), "--host", "127.0.0.1", "--port", str(self.port)]),
                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + start_timeout_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise StoreError(f"milvus-lite server exited with code {self.proc.returncode}; see {self.data_dir / 'milvus-lite-server.log'}")
+                self.log.close()
+                with open(log_path, "rb") as f:
+                    f.seek(log_start)
+                    if b"DataDirLockedError" in f.read():
+                        raise StoreError(f"another milvus-lite server holds the data directory {self.data_dir} (a run still going, or one that "
+                                         f"was killed and left its server behind): stop that server, or point run.artifacts_dir elsewhere")
+                raise StoreError(f"milvus-lite server exited with code {self.proc.returncode}; see {log_path}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
                     return
