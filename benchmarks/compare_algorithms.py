@@ -32,7 +32,8 @@ METHODS = {
 }
 DEFAULT_METHODS = ["grpo", "arpo", "rapo", "rapo w/o RR", "rapo w/o RIS"]
 REWARD_KEYS = ("on_policy_reward", "hybrid_reward", "retrieval_reward")  # means over the run's steps
-STEP_KEYS = ("step_s", "rollout_s", "old_logprob_s", "update_s", "sync_s", "rollout_tokens", "tool_calls", "retrievals")
+STEP_KEYS = ("step_s", "rollout_s", "old_logprob_s", "update_s", "sync_s", "rollout_tokens", "tool_calls", "retrievals",
+             "learner_tokens_per_s")
 
 
 def run_one(method: str, seed: int, args, out: Path) -> dict | None:
@@ -97,8 +98,8 @@ def tables(results: list[dict]) -> str:
         mean = [r["after"]["eval/mean_accuracy"] for r in rs]
         delta = [r["after"]["eval/mean_accuracy"] - r["before"]["eval/mean_accuracy"] for r in rs]
         lines.append(f"| {method} | " + " | ".join(cells) + f" | {_ms(mean)} | {_ms(delta)} |")
-    lines += ["", "| method | step s | rollout s | old-logprob s | update s | sync s | rollout tokens | tool calls | retrievals |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| method | step s | rollout s | old-logprob s | update s | sync s | rollout tokens | tool calls | retrievals | learner tokens/s |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for method in METHODS:
         rs = [r for r in results if r["method"] == method]
         if rs:

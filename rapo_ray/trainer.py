@@ -255,6 +255,9 @@ class Trainer:
         }
         m["step_s"] = time.perf_counter() - t_step
         m["tokens_per_s"] = gen_tokens / max(rollout_s, 1e-9)
+        # learner throughput: every sequence token goes through forward and backward once per PPO epoch
+        seq_tokens = sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows)
+        m["learner_tokens_per_s"] = seq_tokens * cfg.learner.ppo_epochs / max(update_s, 1e-9)
         if cfg.retrieval.insert_on_policy and self.retrieval_app:
             m["inserted_steps"] = self._insert_on_policy(rows)
         self._write_trajectories(rows)

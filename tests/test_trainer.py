@@ -169,7 +169,7 @@ def test_end_to_end_rapo_and_resume_is_exact(ray_session, warm_cfg):
     rd = summary["run_dir"]
     metrics = [json.loads(x) for x in open(f"{rd}/metrics.jsonl")]
     steps = [m for m in metrics if "reward" in m]
-    assert len(steps) == 2 and all(m["rollout_tokens"] > 0 for m in steps)
+    assert len(steps) == 2 and all(m["rollout_tokens"] > 0 and m["learner_tokens_per_s"] > 0 for m in steps)
     assert sum(m["retrievals"] for m in steps) > 0  # hybrid slots retrieved through Serve + Milvus
     assert sum(m["inserted_steps"] for m in steps) > 0  # on-policy steps went into the buffer through Serve
     assert Path(f"{rd}/curves.png").is_file() and json.load(open(f"{rd}/summary.json"))["steps"] == 2
