@@ -163,6 +163,20 @@ def test_embedder_pooling_and_truncation():
         Embedder(pooling="max")
 
 
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_embedding_does_not_depend_on_batch_mates(pooling):
+    """Left padding must not shift a text's positions: a query embeds the same alone and batched with a long
+    text (it did not: cosine 0.61 with last-token pooling before positions were counted per text)."""
+    from rapo_ray.retrieval.embedder import Embedder
+
+    emb = Embedder(pooling=pooling)
+    query = "Kai has 135 shells. Kai finds 415 more shells. <think>compute 135 + 415</think>"
+    alone = emb.embed([query])[0]
+    for mate in ("Fay has 150 beads. " * 60, "short"):
+        batched = emb.embed([query, mate])[0]
+        assert float(alone @ batched) > 0.9999 and np.abs(alone - batched).max() < 1e-4
+
+
 @pytest.mark.parametrize("search_on", ["replica", "milvus"])
 def test_serve_app_handle_and_http(serve_url, tmp_path, search_on):
     import requests
@@ -229,7 +243,19 @@ def test_builder_counts_idempotence_and_resume(ray_session, tiny_cfg, tiny_model
     assert rep.trajectories == 5 and rep.steps >= 10 and rep.tokens > 0
     rep2 = build_buffer(cfg, str(tiny_model_dir), uri, tasks, manifest, log=lambda *_: None)  # resume: only the new 5
     assert rep2.skipped_questions == 5 and rep2.trajectories == 5
-    assert set(json.loads(manifest.read_text())) == {t.id for t in tasks}
+    assert set(json.loads(manifest.read_text())["questions"]) == {t.id for t in tasks}
+    # a buffer embedded by the older embedder (whose manifest was a bare list) is refused, and left as it was
+    written = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps(written["questions"]))
+    with pytest.raises(StoreError, match="'built'.*embedder version 1.*retrieval.collection"):
+        build_buffer(cfg, str(tiny_model_dir), uri, tasks, manifest, log=lambda *_: None)
+    assert json.loads(manifest.read_text()) == written["questions"]
+    from rapo_ray.retrieval.embedder import EMBEDDER_VERSION
+
+    for bad, message in (("{not json", "not valid JSON"), (json.dumps({"embedder_version": EMBEDDER_VERSION}), "no 'questions' list")):
+        manifest.write_text(bad)
+        with pytest.raises(StoreError, match=message):
+            build_buffer(cfg, str(tiny_model_dir), uri, tasks, manifest, log=lambda *_: None)
     manifest.unlink()
     store = MilvusStepStore(uri, "built", dim=384)
     before = store.count()

@@ -6,6 +6,8 @@
 
 Idempotent: a step's primary key is a hash of its content, so re-running upserts the same rows. Resumable:
 finished questions are recorded in ``<manifest>`` after their steps are written, and skipped next time.
+The manifest also records the embedder version the vectors were made with: a buffer embedded by another
+version is refused (its keys would not match this version's queries), never silently extended.
 """
 
 from __future__ import annotations
@@ -100,6 +102,38 @@ def _rows_to_steps(batch: dict) -> tuple[list[StoredStep], np.ndarray]:
     return steps, np.stack(list(batch["vector"])).astype(np.float32)
 
 
+def read_manifest(manifest: Path, collection: str) -> set[str]:
+    """Question ids already in the buffer; raises StoreError for a manifest that is not valid, or whose buffer
+    was embedded by another embedder version."""
+    from rapo_ray.retrieval.embedder import EMBEDDER_VERSION
+    from rapo_ray.retrieval.store import StoreError
+
+    if not manifest.is_file():
+        return set()
+    try:
+        data = json.loads(manifest.read_text())
+    except json.JSONDecodeError as exc:
+        raise StoreError(f"buffer manifest {manifest} is not valid JSON ({exc}); it records which questions collection "
+                         f"{collection!r} already holds: restore it, or move it and the collection away to rebuild") from exc
+    version = data.get("embedder_version") if isinstance(data, dict) else 1  # version 1 wrote a bare list
+    if version != EMBEDDER_VERSION:
+        raise StoreError(f"step buffer {collection!r} (manifest {manifest}) was embedded by embedder version {version}, "
+                         f"this code embeds queries with version {EMBEDDER_VERSION} (see rapo_ray/retrieval/embedder.py), so "
+                         f"its keys would not match; build a new buffer: set retrieval.collection to a new name, or move "
+                         f"{manifest.parent} away")
+    if not isinstance(data.get("questions"), list):
+        raise StoreError(f"buffer manifest {manifest} has no 'questions' list; it is not a step-buffer manifest")
+    return set(data["questions"])
+
+
+def _write_manifest(manifest: Path, done: set[str]) -> None:
+    from rapo_ray.retrieval.embedder import EMBEDDER_VERSION
+
+    tmp = manifest.with_suffix(".tmp")  # atomic: a crash leaves the previous manifest
+    tmp.write_text(json.dumps({"embedder_version": EMBEDDER_VERSION, "questions": sorted(done)}))
+    tmp.replace(manifest)
+
+
 def build_buffer(cfg, model_dir: str, uri: str, tasks: list, manifest: Path, log=print) -> BufferReport:
     """Sample, filter, split, embed and upsert the buffer for ``tasks`` (loop ``Task``s)."""
     from rapo_ray.config import to_dict
@@ -107,7 +141,7 @@ def build_buffer(cfg, model_dir: str, uri: str, tasks: list, manifest: Path, log
     from rapo_ray.retrieval.store import MilvusStepStore
 
     t0 = time.perf_counter()
-    done: set[str] = set(json.loads(manifest.read_text())) if manifest.is_file() else set()
+    done = read_manifest(manifest, cfg.retrieval.collection)
     todo = [t for t in tasks if t.id not in done]
     store = MilvusStepStore(uri, cfg.retrieval.collection, DIM, token=cfg.retrieval.milvus_token)
     report = BufferReport(len(tasks), 0, 0, 0, len(tasks) - len(todo), 0.0)
@@ -126,9 +160,7 @@ def build_buffer(cfg, model_dir: str, uri: str, tasks: list, manifest: Path, log
             report.tokens += sum(len(s.value_ids) for s in steps)
             trajectories.update(batch["traj_id"].tolist())
             done.update(s.question_id for s in steps)
-            tmp = manifest.with_suffix(".tmp")
-            tmp.write_text(json.dumps(sorted(done)))
-            tmp.replace(manifest)
+            _write_manifest(manifest, done)
         report.trajectories = len(trajectories)
     store.flush()  # also seals a buffer built by an older version without a flush
     report.seconds = time.perf_counter() - t0
