@@ -96,7 +96,12 @@ class WeightSync:
     """Driver-side helper: (re)builds the group for the current fleet and pushes a versioned state dict."""
 
     def __init__(self, bucket_mb: float = 32.0):
-        self.hub = WeightHub.remote()
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        # on the driver's node (the head under `ray job submit`): anywhere else, losing that node would take the
+        # hub down mid-push, which the cluster simulation's learner-node loss did (ActorDiedError: WeightHub)
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.hub = WeightHub.options(scheduling_strategy=here).remote()
         self.bucket_mb = bucket_mb
         self.members: tuple = ()
         self.generation = 0
