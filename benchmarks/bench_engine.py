@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 MODELS = {
     # the bundled default model (config defaults)
@@ -85,12 +84,19 @@ def worker(engine_name: str, path: str, batches: list[int], new_tokens: int, rep
             if engine_name == "hf":
                 tokens = hf_generate(engine, tok, prompts, new_tokens)
             else:
-                res = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True))
+                res = engine.generate(
+                    prompts, SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+                )
                 tokens = [x.token_ids for x in res]
             if r > 0:
                 times.append(time.perf_counter() - t)
         n = sum(len(x) for x in tokens)
-        out["batches"][str(b)] = {"median_s": statistics.median(times), "tokens": n, "tokens_per_s": n / statistics.median(times), "outputs": tokens}
+        out["batches"][str(b)] = {
+            "median_s": statistics.median(times),
+            "tokens": n,
+            "tokens_per_s": n / statistics.median(times),
+            "outputs": tokens,
+        }
     if engine_name != "hf":
         sd = load_model(path).state_dict()
         t = time.perf_counter()
@@ -107,11 +113,18 @@ def hf_generate(model, tok, prompts, new_tokens):
     ids = torch.full((len(prompts), L), tok.pad_token_id, dtype=torch.long)
     attn = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i, L - len(p):] = torch.tensor(p)
-        attn[i, L - len(p):] = 1
+        ids[i, L - len(p) :] = torch.tensor(p)
+        attn[i, L - len(p) :] = 1
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=attn, do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             eos_token_id=None, pad_token_id=tok.pad_token_id)
+        out = model.generate(
+            ids,
+            attention_mask=attn,
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            eos_token_id=None,
+            pad_token_id=tok.pad_token_id,
+        )
     return [row[L:].tolist() for row in out]
 
 
@@ -155,8 +168,19 @@ def main() -> int:
                 print(f"[{m}] vllm: not importable here, skipped")
                 continue
             env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-            cmd = [sys.executable, __file__, "--worker", e, str(path), "--batches", args.batches,
-                   "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                e,
+                str(path),
+                "--batches",
+                args.batches,
+                "--new-tokens",
+                str(args.new_tokens),
+                "--repeats",
+                str(args.repeats),
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
             if proc.returncode != 0 or not line:
@@ -173,7 +197,20 @@ def main() -> int:
                 br = r["batches"][str(b)]
                 same = "-" if ref is None or e == "hf" else str(br["outputs"] == ref["batches"][str(b)]["outputs"])
                 speedup = br["tokens_per_s"] / ref["batches"][str(b)]["tokens_per_s"] if ref else float("nan")
-                rows.append((m, f"{n_params / 1e6:.1f}M", e, b, br["tokens_per_s"], speedup, r["startup_s"], r["peak_rss_mb"], r.get("weight_update_s"), same))
+                rows.append(
+                    (
+                        m,
+                        f"{n_params / 1e6:.1f}M",
+                        e,
+                        b,
+                        br["tokens_per_s"],
+                        speedup,
+                        r["startup_s"],
+                        r["peak_rss_mb"],
+                        r.get("weight_update_s"),
+                        same,
+                    )
+                )
     hdr = f"{'model':6} {'params':>7} {'engine':6} {'batch':>5} {'tok/s':>9} {'vs HF':>6} {'start s':>8} {'peak MB':>8} {'update s':>9} {'greedy==HF':>10}"
     print(hdr)
     print("-" * len(hdr))
@@ -186,7 +223,26 @@ def main() -> int:
         for r in m["engines"].values():
             for br in r["batches"].values():
                 br.pop("outputs", None)
-    report["table"] = [dict(zip(["model", "params", "engine", "batch", "tokens_per_s", "vs_hf", "startup_s", "peak_rss_mb", "weight_update_s", "greedy_equal_hf"], row)) for row in rows]
+    report["table"] = [
+        dict(
+            zip(
+                [
+                    "model",
+                    "params",
+                    "engine",
+                    "batch",
+                    "tokens_per_s",
+                    "vs_hf",
+                    "startup_s",
+                    "peak_rss_mb",
+                    "weight_update_s",
+                    "greedy_equal_hf",
+                ],
+                row,
+            )
+        )
+        for row in rows
+    ]
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}")
     return 0

@@ -25,14 +25,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from benchmarks.load import percentile_ms, run_clients  # noqa: E402
+from load import percentile_ms, run_clients  # noqa: E402
+
 from rapo_ray.net import free_port  # noqa: E402
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-
-
 
 
 def make_query(k: int, i: int, chars: int) -> str:
@@ -64,8 +62,14 @@ def closed_loop(call, clients: int, seconds: float, query_chars: int = 0) -> dic
 
     wall = run_clients(client, clients)
     lat.sort()
-    return {"clients": clients, "requests": len(lat), "errors": errors[0], "rps": len(lat) / wall,
-            "p50_ms": percentile_ms(lat, 0.50), "p99_ms": percentile_ms(lat, 0.99)}
+    return {
+        "clients": clients,
+        "requests": len(lat),
+        "errors": errors[0],
+        "rps": len(lat) / wall,
+        "p50_ms": percentile_ms(lat, 0.50),
+        "p99_ms": percentile_ms(lat, 0.99),
+    }
 
 
 def main() -> int:
@@ -73,7 +77,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=50000)
     ap.add_argument("--clients", default="1,8,32,64")
     ap.add_argument("--seconds", type=float, default=10.0)
-    ap.add_argument("--query-chars", type=int, default=0, help="pad queries to this many characters (0: one-line queries)")
+    ap.add_argument(
+        "--query-chars", type=int, default=0, help="pad queries to this many characters (0: one-line queries)"
+    )
     ap.add_argument("--dir", default=str(REPO / "artifacts" / "bench_retrieval"))
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "retrieval.json"))
     args = ap.parse_args()
@@ -98,8 +104,15 @@ def main() -> int:
     print(f"embedder: {report['embedder_texts_per_s']:.0f} texts/s")
 
     server = MilvusLiteServer(Path(args.dir) / "milvus")
-    ray.init(address="local", num_cpus=2, object_store_memory=256 << 20, include_dashboard=False, _node_ip_address="127.0.0.1",
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}}, log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=2,
+        object_store_memory=256 << 20,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}},
+        log_to_driver=False,
+    )
     try:
         store = MilvusStepStore(server.uri, "bench", dim=emb.dim)
         rng = np.random.default_rng(0)
@@ -108,9 +121,11 @@ def main() -> int:
         if store.count() < args.steps:
             t = time.perf_counter()
             for i in range(0, args.steps, 2000):
-                chunk = [StoredStep(f"k{j}", f"<think>step {j}</think>", [j % 500], 1.0, f"q{j % 997}", j % 4, "bench")
-                         for j in range(i, min(i + 2000, args.steps))]
-                store.upsert(chunk, keys[i:i + len(chunk)])
+                chunk = [
+                    StoredStep(f"k{j}", f"<think>step {j}</think>", [j % 500], 1.0, f"q{j % 997}", j % 4, "bench")
+                    for j in range(i, min(i + 2000, args.steps))
+                ]
+                store.upsert(chunk, keys[i : i + len(chunk)])
             report["insert_steps_per_s"] = args.steps / (time.perf_counter() - t)
             store.flush()
             print(f"inserted {args.steps} steps: {report['insert_steps_per_s']:.0f} steps/s")
@@ -122,24 +137,32 @@ def main() -> int:
         replica = ReplicaIndex.from_store(store)
         report["replica_load_s"] = time.perf_counter() - t
         hits = replica.search(qv[:200], top_k=1)
-        report["replica_recall_at_1"] = float(np.mean([h[0].value == f"<think>step {b}</think>" for h, b in zip(hits, brute)]))
+        report["replica_recall_at_1"] = float(
+            np.mean([h[0].value == f"<think>step {b}</think>" for h, b in zip(hits, brute)])
+        )
         t = time.perf_counter()
         for i in range(0, 192, 32):
-            replica.search(qv[i:i + 32], top_k=1)
+            replica.search(qv[i : i + 32], top_k=1)
         report["replica_search_ms_per_32"] = (time.perf_counter() - t) / 6 * 1000
         t = time.perf_counter()
         for i in range(0, 96, 32):
-            store.search(qv[i:i + 32], top_k=1)
+            store.search(qv[i : i + 32], top_k=1)
         report["milvus_search_ms_per_32"] = (time.perf_counter() - t) / 3 * 1000
-        print(f"replica index: loaded {len(replica)} steps in {report['replica_load_s']:.1f} s, recall {report['replica_recall_at_1']:.3f}, "
-              f"{report['replica_search_ms_per_32']:.1f} ms per 32 queries (Milvus: {report['milvus_search_ms_per_32']:.1f} ms)")
+        print(
+            f"replica index: loaded {len(replica)} steps in {report['replica_load_s']:.1f} s, recall {report['replica_recall_at_1']:.3f}, "
+            f"{report['replica_search_ms_per_32']:.1f} ms per 32 queries (Milvus: {report['milvus_search_ms_per_32']:.1f} ms)"
+        )
         store.close()
 
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         clients = [int(c) for c in args.clients.split(",")]
         report["load"] = []
-        cells = [("replica", True, ("handle", "http")), ("replica", False, ("handle", "http")), ("milvus", True, ("handle",))]
+        cells = [
+            ("replica", True, ("handle", "http")),
+            ("replica", False, ("handle", "http")),
+            ("milvus", True, ("handle",)),
+        ]
         for search_on, batching, transports in cells:
             cfg = load_config(overrides=["retrieval.collection=bench", f"retrieval.search_on={search_on}"])
             report["batch_wait_ms"] = cfg.retrieval.batch_wait_ms
@@ -148,15 +171,20 @@ def main() -> int:
             handle = serve.get_deployment_handle("StepRetriever", app_name=name)
             url = f"http://127.0.0.1:{port}/{name}"
             session = requests.Session()
-            calls = {"handle": lambda q: handle.retrieve.remote([q], 1).result(),
-                     "http": lambda q: session.post(url, json={"queries": [q], "top_k": 1}, timeout=30).raise_for_status()}
+            calls = {
+                "handle": lambda q: handle.retrieve.remote([q], 1).result(),
+                "http": lambda q: session.post(url, json={"queries": [q], "top_k": 1}, timeout=30).raise_for_status(),
+            }
             for transport in transports:
                 for c in clients:
                     r = closed_loop(calls[transport], c, args.seconds, args.query_chars)
                     r |= {"search_on": search_on, "batching": batching, "transport": transport}
                     report["load"].append(r)
-                    print(f"{search_on:7} batching={batching!s:5} {transport:6} clients={c:3d}: {r['rps']:7.1f} req/s  "
-                          f"p50 {r['p50_ms']:7.1f} ms  p99 {r['p99_ms']:7.1f} ms  errors {r['errors']}", flush=True)
+                    print(
+                        f"{search_on:7} batching={batching!s:5} {transport:6} clients={c:3d}: {r['rps']:7.1f} req/s  "
+                        f"p50 {r['p50_ms']:7.1f} ms  p99 {r['p99_ms']:7.1f} ms  errors {r['errors']}",
+                        flush=True,
+                    )
             serve.delete(name)
     finally:
         serve.shutdown()

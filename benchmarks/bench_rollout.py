@@ -17,24 +17,25 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def run_pair(cfg, model_dir, engine_name: str, schedule: str, batches: list, hybrid: int, retriever) -> dict:
     from rapo_ray.agent.loop import AgentLoop, LoopSettings
     from rapo_ray.engines import make_engine
     from rapo_ray.envs.suite import build_tools
-    from rapo_ray.model import load_tokenizer
+    from rapo_ray.model import load_model_and_tokenizer, load_tokenizer
+    from rapo_ray.retrieval.search_index import search_index_for
 
     cfg.rollout.engine = engine_name
     tok = load_tokenizer(model_dir)
-    engine = make_engine(cfg.rollout, model_dir, max_model_len=cfg.model.max_position_embeddings)
-    tools = build_tools(cfg.tasks, cfg.rollout)
+    engine = make_engine(
+        cfg.rollout, model_dir, load_model_and_tokenizer, max_model_len=cfg.model.max_position_embeddings
+    )
+    tools = build_tools(cfg.tasks, cfg.rollout, search_index_for(cfg.tasks))
     try:
         rows = []
         for k, tasks in enumerate(batches):
@@ -45,17 +46,35 @@ def run_pair(cfg, model_dir, engine_name: str, schedule: str, batches: list, hyb
             trajs, stats = loop.run_groups(tasks, cfg.algo.group_size, n_hybrid=hybrid)
             wall = time.perf_counter() - t0
             generated = sum(sum(t.loss_mask) for t in trajs)
-            rows.append({"wall_s": wall, "generated_tokens": generated, "tool_calls": sum(t.tool_calls for t in trajs),
-                         "retrievals": sum(t.num_retrievals for t in trajs), "reward": statistics.mean(t.reward for t in trajs),
-                         "generate_s": stats.generate_s, "tool_s": stats.tool_s, "retrieve_s": stats.retrieve_s})
-            print(f"  {engine_name:6} {schedule:15} batch {k}: {wall:6.2f} s, {generated} generated tokens, "
-                  f"{rows[-1]['tool_calls']} tool calls", flush=True)
+            rows.append(
+                {
+                    "wall_s": wall,
+                    "generated_tokens": generated,
+                    "tool_calls": sum(t.tool_calls for t in trajs),
+                    "retrievals": sum(t.num_retrievals for t in trajs),
+                    "reward": statistics.mean(t.reward for t in trajs),
+                    "generate_s": stats.generate_s,
+                    "tool_s": stats.tool_s,
+                    "retrieve_s": stats.retrieve_s,
+                }
+            )
+            print(
+                f"  {engine_name:6} {schedule:15} batch {k}: {wall:6.2f} s, {generated} generated tokens, "
+                f"{rows[-1]['tool_calls']} tool calls",
+                flush=True,
+            )
         timed = rows[1:] or rows
         wall = statistics.median(r["wall_s"] for r in timed)
-        return {"engine": engine_name, "schedule": schedule, "median_wall_s": wall,
-                "generated_tok_per_s": statistics.median(r["generated_tokens"] / r["wall_s"] for r in timed),
-                "tool_calls": statistics.mean(r["tool_calls"] for r in timed), "retrievals": statistics.mean(r["retrievals"] for r in timed),
-                "summed_tool_s": statistics.mean(r["tool_s"] for r in timed), "batches": rows}
+        return {
+            "engine": engine_name,
+            "schedule": schedule,
+            "median_wall_s": wall,
+            "generated_tok_per_s": statistics.median(r["generated_tokens"] / r["wall_s"] for r in timed),
+            "tool_calls": statistics.mean(r["tool_calls"] for r in timed),
+            "retrievals": statistics.mean(r["retrievals"] for r in timed),
+            "summed_tool_s": statistics.mean(r["tool_s"] for r in timed),
+            "batches": rows,
+        }
     finally:
         tools.close()
         engine.close()
@@ -73,11 +92,12 @@ def main() -> int:
     ap.add_argument("overrides", nargs="*", help="config overrides (key=value)")
     args = ap.parse_args()
 
-    from rapo_ray.agent.retriever import InMemoryStepRetriever
+    from rapo_ray.agent.retriever import InMemoryStepRetriever, steps_of
     from rapo_ray.config import load_config
     from rapo_ray.envs.suite import build_tools
     from rapo_ray.model import load_tokenizer, set_torch_threads
-    from rapo_ray.sft import expert_trajectories, steps_of, warm_start
+    from rapo_ray.retrieval.search_index import search_index_for
+    from rapo_ray.sft import expert_trajectories, warm_start
     from rapo_ray.trainer import rl_task_pool
 
     set_torch_threads(1)
@@ -85,12 +105,16 @@ def main() -> int:
     model_dir = warm_start(cfg)
     pool, _ = rl_task_pool(cfg)
     questions = [t for pair in zip(*pool.values()) for t in pair]  # families interleaved
-    batches = [questions[k * args.prompts:(k + 1) * args.prompts] for k in range(args.repeats + 1)]
+    batches = [questions[k * args.prompts : (k + 1) * args.prompts] for k in range(args.repeats + 1)]
     retriever = None
     if args.hybrid:
-        tok, tools = load_tokenizer(model_dir), build_tools(cfg.tasks, cfg.rollout)
+        tok, tools = load_tokenizer(model_dir), build_tools(cfg.tasks, cfg.rollout, search_index_for(cfg.tasks))
         try:
-            steps = [s for tr in expert_trajectories(cfg, tok, tools, [t for b in batches for t in b]) for s in steps_of(tok, tr)]
+            steps = [
+                s
+                for tr in expert_trajectories(cfg, tok, tools, [t for b in batches for t in b])
+                for s in steps_of(tok, tr)
+            ]
         finally:
             tools.close()
         retriever = InMemoryStepRetriever(steps, question_scope=cfg.retrieval.question_scope)
@@ -100,12 +124,18 @@ def main() -> int:
             results.append(run_pair(cfg, model_dir, engine_name, schedule, batches, args.hybrid, retriever))
     print(f"\n{'engine':8} {'schedule':16} {'batch s':>8} {'gen tok/s':>10} {'tool calls':>10} {'retrievals':>10}")
     for r in results:
-        print(f"{r['engine']:8} {r['schedule']:16} {r['median_wall_s']:8.2f} {r['generated_tok_per_s']:10.0f} "
-              f"{r['tool_calls']:10.1f} {r['retrievals']:10.1f}")
+        print(
+            f"{r['engine']:8} {r['schedule']:16} {r['median_wall_s']:8.2f} {r['generated_tok_per_s']:10.0f} "
+            f"{r['tool_calls']:10.1f} {r['retrievals']:10.1f}"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"prompts": args.prompts, "group_size": cfg.algo.group_size, "hybrid": args.hybrid,
-                               "results": results}, indent=1))
+    out.write_text(
+        json.dumps(
+            {"prompts": args.prompts, "group_size": cfg.algo.group_size, "hybrid": args.hybrid, "results": results},
+            indent=1,
+        )
+    )
     print(f"wrote {out}")
     return 0
 

@@ -19,14 +19,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from benchmarks.load import percentile_ms, run_clients  # noqa: E402
+from load import percentile_ms, run_clients  # noqa: E402
+
 from rapo_ray.net import free_port  # noqa: E402
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-
 
 
 def closed_loop(client, questions, clients: int, seconds: float, max_tokens: int) -> dict:
@@ -43,8 +41,12 @@ def closed_loop(client, questions, clients: int, seconds: float, max_tokens: int
             task = questions[i % len(questions)]
             t = time.perf_counter()
             try:
-                resp = client.chat.completions.create(model="agent", messages=[{"role": "user", "content": task.question}],
-                                                      max_tokens=max_tokens, temperature=0.0)
+                resp = client.chat.completions.create(
+                    model="agent",
+                    messages=[{"role": "user", "content": task.question}],
+                    max_tokens=max_tokens,
+                    temperature=0.0,
+                )
                 dt = time.perf_counter() - t
                 sc = score(resp.choices[0].message.model_extra["reasoning_content"], task.answers, task.kind)
                 with lock:
@@ -58,9 +60,18 @@ def closed_loop(client, questions, clients: int, seconds: float, max_tokens: int
 
     wall = run_clients(run, clients)
     lat.sort()
-    return {"clients": clients, "requests": len(lat), "seconds": round(wall, 1), "requests_per_s": round(len(lat) / wall, 2),
-            "p50_ms": round(percentile_ms(lat, 0.50), 1), "p99_ms": round(percentile_ms(lat, 0.99), 1), "errors": len(errors), "error_samples": errors[:3],
-            "tool_calls_per_request": round(sum(tools) / max(len(tools), 1), 2), "accuracy": round(sum(correct) / max(len(correct), 1), 3)}
+    return {
+        "clients": clients,
+        "requests": len(lat),
+        "seconds": round(wall, 1),
+        "requests_per_s": round(len(lat) / wall, 2),
+        "p50_ms": round(percentile_ms(lat, 0.50), 1),
+        "p99_ms": round(percentile_ms(lat, 0.99), 1),
+        "errors": len(errors),
+        "error_samples": errors[:3],
+        "tool_calls_per_request": round(sum(tools) / max(len(tools), 1), 2),
+        "accuracy": round(sum(correct) / max(len(correct), 1), 3),
+    }
 
 
 def main() -> int:
@@ -85,8 +96,14 @@ def main() -> int:
     cfg = load_config(overrides=["serve.model_name=agent", "serve.max_ongoing_requests=64"] + args.overrides)
     _, test = task_splits(cfg.tasks)
     questions = [t for pair in zip(*test.values()) for t in pair]  # interleave the families
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}})
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}},
+    )
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -95,9 +112,16 @@ def main() -> int:
         startup = time.perf_counter() - t0
         base = f"http://127.0.0.1:{port}"
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
-        client.chat.completions.create(model="agent", messages=[{"role": "user", "content": questions[0].question}], max_tokens=8)
-        report = {"checkpoint": str(resolve_checkpoint(args.checkpoint)), "replica_startup_s": round(startup, 1),
-                  "max_tokens": args.max_tokens, "batch_wait_ms": cfg.serve.batch_wait_ms, "levels": []}
+        client.chat.completions.create(
+            model="agent", messages=[{"role": "user", "content": questions[0].question}], max_tokens=8
+        )
+        report = {
+            "checkpoint": str(resolve_checkpoint(args.checkpoint)),
+            "replica_startup_s": round(startup, 1),
+            "max_tokens": args.max_tokens,
+            "batch_wait_ms": cfg.serve.batch_wait_ms,
+            "levels": [],
+        }
         for n in [int(c) for c in args.clients.split(",")]:
             h0 = requests.get(base + "/health", timeout=30).json()
             level = closed_loop(client, questions, n, args.seconds, args.max_tokens)

@@ -24,12 +24,16 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 from rapo_ray.net import free_port  # noqa: E402
-ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-       "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "token"}
 
-
+ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "GLOO_SOCKET_IFNAME": "lo",
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "RAY_AUTH_MODE": "token",
+}
 
 
 def _pids_under(path: str) -> list[int]:
@@ -59,13 +63,17 @@ def _stop_pids(path: str) -> None:
 
 
 def _tiny_cfg(artifacts: str, *overrides):
-    from rapo_ray.config import load_config
+    from rapo_ray.config import TINY_OVERRIDES, load_config
 
-    base = [f"run.artifacts_dir={artifacts}", "model.hidden_size=64", "model.num_layers=2", "model.num_heads=2",
-            "model.num_kv_heads=1", "model.intermediate_size=128", "model.max_position_embeddings=512", "tokenizer.vocab_size=512",
-            "tasks.train_size=300", "trainer.sft_examples=40", "trainer.sft_hard_examples=5", "trainer.rl_questions=20",
-            "tasks.test_size=50", "rollout.max_response_tokens=96", "rollout.max_step_tokens=32", "rollout.engine=torch",
-            "algo.name=grpo", "algo.n_hybrid=0", "algo.group_size=4"]
+    base = [
+        f"run.artifacts_dir={artifacts}",
+        *TINY_OVERRIDES,
+        "rollout.max_response_tokens=96",
+        "rollout.max_step_tokens=32",
+        "rollout.engine=torch",
+        "algo.name=grpo",
+        "algo.group_size=4",
+    ]
     return load_config(overrides=base + list(overrides))
 
 
@@ -98,18 +106,43 @@ def autoscale(timeout: float) -> dict:
     scaling.write_text(yaml.safe_dump(cfg_yaml))
     ray_bin = str(Path(sys.executable).with_name("ray"))
     try:
-        subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=1", "--node-ip-address=127.0.0.1",
-                        f"--autoscaling-config={scaling}", f"--temp-dir={tmp}/ray", "--include-dashboard=false",
-                        "--disable-usage-stats"], env=env, check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            [
+                ray_bin,
+                "start",
+                "--head",
+                f"--port={port}",
+                "--num-cpus=1",
+                "--node-ip-address=127.0.0.1",
+                f"--autoscaling-config={scaling}",
+                f"--temp-dir={tmp}/ray",
+                "--include-dashboard=false",
+                "--disable-usage-stats",
+            ],
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
         import ray
 
         from rapo_ray.model import ensure_bundled_model
         from rapo_ray.rollout import RolloutFleet
 
-        cfg = _tiny_cfg(f"{tmp}/artifacts", "rollout.num_workers=1", "rollout.min_workers=1", "rollout.max_workers=3",
-                        "resources.rollout_custom_resources={rollout_node: 1}", f"resources.placement_timeout_s={timeout}")
+        cfg = _tiny_cfg(
+            f"{tmp}/artifacts",
+            "rollout.num_workers=1",
+            "rollout.min_workers=1",
+            "rollout.max_workers=3",
+            "resources.rollout_custom_resources={rollout_node: 1}",
+            f"resources.placement_timeout_s={timeout}",
+        )
         model_dir = ensure_bundled_model(cfg)
-        ray.init(address=f"127.0.0.1:{port}", log_to_driver=False, runtime_env={"env_vars": {k: v for k, v in ENV.items() if k != "RAY_AUTH_MODE"}})
+        ray.init(
+            address=f"127.0.0.1:{port}",
+            log_to_driver=False,
+            runtime_env={"env_vars": {k: v for k, v in ENV.items() if k != "RAY_AUTH_MODE"}},
+        )
         report = {"nodes_at_start": _alive_nodes(ray)}
         t0 = time.perf_counter()
         fleet = RolloutFleet(str(model_dir), cfg, None)  # its one worker needs a rollout node: the first scale-up
@@ -124,8 +157,8 @@ def autoscale(timeout: float) -> dict:
         report["scale_up_s"] = round(time.perf_counter() - t0, 1)
         report["workers_after_scale_up"] = workers
         report["nodes_after_scale_up"] = _alive_nodes(ray)
-        rows, stats = fleet.run_step(groups, group_size=cfg.algo.group_size, n_hybrid=0, seed=0)
-        report["groups_done"] = len({r["group_id"] for r in rows})
+        batch, stats = fleet.run_step(groups, group_size=cfg.algo.group_size, n_hybrid=0, seed=0)
+        report["groups_done"] = len(set(batch.group_ids()))
         t0 = time.perf_counter()
         report["workers_after_scale_down"] = fleet.autoscale(backlog_groups=0)
         report["node_removal_s"] = round(_wait(lambda: _alive_nodes(ray) <= 2, timeout), 1)  # head + 1 worker node
@@ -146,9 +179,17 @@ def _cluster(tmp: str):
     import ray
     from ray.cluster_utils import Cluster
 
-    return ray, Cluster(initialize_head=True, connect=False, head_node_args={
-        "num_cpus": 1, "node_ip_address": "127.0.0.1", "temp_dir": f"{tmp}/ray", "include_dashboard": False,
-        "env_vars": {k: v for k, v in ENV.items()}})
+    return ray, Cluster(
+        initialize_head=True,
+        connect=False,
+        head_node_args={
+            "num_cpus": 1,
+            "node_ip_address": "127.0.0.1",
+            "temp_dir": f"{tmp}/ray",
+            "include_dashboard": False,
+            "env_vars": {k: v for k, v in ENV.items()},
+        },
+    )
 
 
 def node_loss(timeout: float) -> dict:
@@ -157,13 +198,21 @@ def node_loss(timeout: float) -> dict:
     tmp = tempfile.mkdtemp(prefix="rapo_nodeloss_")
     try:
         ray, cluster = _cluster(tmp)
-        nodes = [cluster.add_node(num_cpus=1, resources={"rollout_node": 1}, node_ip_address="127.0.0.1") for _ in range(3)]
+        nodes = [
+            cluster.add_node(num_cpus=1, resources={"rollout_node": 1}, node_ip_address="127.0.0.1") for _ in range(3)
+        ]
         cluster.wait_for_nodes()
         from rapo_ray.model import ensure_bundled_model
         from rapo_ray.rollout import RolloutFleet
 
-        cfg = _tiny_cfg(f"{tmp}/artifacts", "rollout.num_workers=2", "rollout.min_workers=1", "rollout.max_workers=3",
-                        "resources.rollout_custom_resources={rollout_node: 1}", f"resources.placement_timeout_s={timeout}")
+        cfg = _tiny_cfg(
+            f"{tmp}/artifacts",
+            "rollout.num_workers=2",
+            "rollout.min_workers=1",
+            "rollout.max_workers=3",
+            "resources.rollout_custom_resources={rollout_node: 1}",
+            f"resources.placement_timeout_s={timeout}",
+        )
         model_dir = ensure_bundled_model(cfg)
         ray.init(address=cluster.address, log_to_driver=False)
         fleet = RolloutFleet(str(model_dir), cfg, None)
@@ -182,14 +231,23 @@ def node_loss(timeout: float) -> dict:
             cluster.remove_node(target)  # the worker just received its groups: they are in flight
 
         t0 = time.perf_counter()
-        rows, stats = fleet.run_step(groups, group_size=cfg.algo.group_size, n_hybrid=0, seed=0, on_dispatch=on_dispatch)
-        ids = [r["group_id"] for r in rows]
-        report = {"step_s": round(time.perf_counter() - t0, 1), "groups": len(groups), "groups_done": len(set(ids)),
-                  "rows": len(rows), "rows_expected": len(groups) * cfg.algo.group_size,
-                  "each_group_once": all(ids.count(g) == cfg.algo.group_size for g, _ in groups),
-                  "killed_worker_groups": victim.get("groups"), "requeued_groups": stats["requeued_groups"],
-                  "replaced_workers": stats["replaced_workers"], "workers_after": len(fleet.workers),
-                  "events": [e.detail for e in fleet.events]}
+        batch, stats = fleet.run_step(
+            groups, group_size=cfg.algo.group_size, n_hybrid=0, seed=0, on_dispatch=on_dispatch
+        )
+        ids = batch.group_ids()
+        report = {
+            "step_s": round(time.perf_counter() - t0, 1),
+            "groups": len(groups),
+            "groups_done": len(set(ids)),
+            "rows": len(batch),
+            "rows_expected": len(groups) * cfg.algo.group_size,
+            "each_group_once": all(ids.count(g) == cfg.algo.group_size for g, _ in groups),
+            "killed_worker_groups": victim.get("groups"),
+            "requeued_groups": stats["requeued_groups"],
+            "replaced_workers": stats["replaced_workers"],
+            "workers_after": len(fleet.workers),
+            "events": [e.detail for e in fleet.events],
+        }
         fleet.shutdown()
         ray.shutdown()
         cluster.shutdown()
@@ -209,23 +267,37 @@ def learner_loss(timeout: float) -> dict:
         cluster.wait_for_nodes()
         from rapo_ray.model import ensure_bundled_model
 
-        cfg = _tiny_cfg(f"{tmp}/artifacts", "rollout.num_workers=1", "rollout.min_workers=1", "rollout.max_workers=2",
-                        "learner.world_size=2", "trainer.total_steps=8", "trainer.prompts_per_step=2", "trainer.eval_every=0",
-                        "trainer.eval_size=4", "checkpoint.every=1", f"run.output_dir={tmp}/runs", "run.name=learner-loss",
-                        "run.progress=false", "run.tensorboard=false", "resources.rollout_custom_resources={rollout_node: 1}",
-                        "resources.learner_custom_resources={learner_node: 1}", f"resources.placement_timeout_s={timeout}")
+        cfg = _tiny_cfg(
+            f"{tmp}/artifacts",
+            "rollout.num_workers=1",
+            "rollout.min_workers=1",
+            "rollout.max_workers=2",
+            "learner.world_size=2",
+            "trainer.total_steps=8",
+            "trainer.prompts_per_step=2",
+            "trainer.eval_every=0",
+            "trainer.eval_size=4",
+            "checkpoint.every=1",
+            f"run.output_dir={tmp}/runs",
+            "run.name=learner-loss",
+            "run.progress=false",
+            "run.tensorboard=false",
+            "resources.rollout_custom_resources={rollout_node: 1}",
+            "resources.learner_custom_resources={learner_node: 1}",
+            f"resources.placement_timeout_s={timeout}",
+        )
         from dataclasses import replace
 
         cfg = replace(cfg, model=replace(cfg.model, path=str(ensure_bundled_model(cfg))))
         ray.init(address=cluster.address, log_to_driver=False)
-        from rapo_ray import trainer as trainer_mod
+        from rapo_ray import launcher
 
         ckpts = Path(tmp) / "runs" / "learner-loss" / "checkpoints"
         lines, result = [], {}
 
         def train():  # on a thread: Cluster.add_node needs the main thread
             try:
-                result["summary"] = trainer_mod.run(cfg, log=lines.append)
+                result["summary"] = launcher.run(cfg, log=lines.append)
             except Exception:
                 import traceback
 
@@ -241,15 +313,28 @@ def learner_loss(timeout: float) -> dict:
         rejoined_at = time.perf_counter()
         th.join(timeout=timeout * 3)
         if "summary" not in result:
-            print(json.dumps({"scenario": "learner-loss", "error": result.get("error", "training did not finish"), "log": lines[-20:]}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "scenario": "learner-loss",
+                        "error": result.get("error", "training did not finish"),
+                        "log": lines[-20:],
+                    }
+                ),
+                flush=True,
+            )
             raise SystemExit(1)
         summary = result["summary"]
         t_end = time.perf_counter()
         metrics = [json.loads(l) for l in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
-        report = {"steps": summary["steps"], "learner_failures": summary["learner_failures"],
-                  "node_down_s": round(rejoined_at - killed_at, 1), "finished_after_rejoin_s": round(t_end - rejoined_at, 1),
-                  "logged_steps": [m["step"] for m in metrics if "reward" in m],
-                  "log": [l for l in lines if "stopped" in l or "rebuilt" in l]}
+        report = {
+            "steps": summary["steps"],
+            "learner_failures": summary["learner_failures"],
+            "node_down_s": round(rejoined_at - killed_at, 1),
+            "finished_after_rejoin_s": round(t_end - rejoined_at, 1),
+            "logged_steps": [m["step"] for m in metrics if "reward" in m],
+            "log": [l for l in lines if "stopped" in l or "rebuilt" in l],
+        }
         ray.shutdown()
         cluster.shutdown()
         return report

@@ -21,29 +21,51 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 METHODS = {
-    "grpo": ["algo.name=grpo", "algo.n_hybrid=0"],
-    "arpo": ["algo.name=arpo", "algo.n_hybrid=0", "algo.arpo_initial_rollouts=8"],
+    "grpo": ["algo.name=grpo"],
+    "arpo": ["algo.name=arpo", "algo.arpo.initial_rollouts=8"],
     "rapo": ["algo.name=rapo"],
-    "rapo w/o RR": ["algo.name=rapo", "algo.use_retrieval_reward=false"],
-    "rapo w/o RIS": ["algo.name=rapo", "algo.use_importance_shaping=false"],
+    "rapo w/o RR": ["algo.name=rapo", "algo.rapo.use_retrieval_reward=false"],
+    "rapo w/o RIS": ["algo.name=rapo", "algo.rapo.use_importance_shaping=false"],
     # not a paper arm: retrieval restricted to the querying question's own stored steps (a diagnosis of
     # what nearest-by-history retrieval returns on templated problems; see docs/RESULTS.md)
     "rapo own-question": ["algo.name=rapo", "retrieval.question_scope=own"],
 }
 DEFAULT_METHODS = ["grpo", "arpo", "rapo", "rapo w/o RR", "rapo w/o RIS"]
 REWARD_KEYS = ("on_policy_reward", "hybrid_reward", "retrieval_reward")  # means over the run's steps
-STEP_KEYS = ("step_s", "rollout_s", "old_logprob_s", "update_s", "sync_s", "rollout_tokens", "tool_calls", "retrievals",
-             "learner_tokens_per_s")
+STEP_KEYS = (
+    "step_s",
+    "rollout_s",
+    "old_logprob_s",
+    "update_s",
+    "sync_s",
+    "rollout_tokens",
+    "tool_calls",
+    "retrievals",
+    "learner_tokens_per_s",
+)
 
 
 def run_one(method: str, seed: int, args, out: Path) -> dict | None:
     name = f"{method.replace(' ', '_').replace('/', '')}-s{seed}"
     run_dir = out / "runs" / name
     if not (run_dir / "summary.json").is_file():
-        cmd = [sys.executable, str(REPO / "jobs" / "train.py"), *METHODS[method], f"trainer.seed={seed}",
-               f"trainer.total_steps={args.steps}", f"trainer.prompts_per_step={args.prompts}", "trainer.eval_every=0",
-               f"trainer.eval_size={args.eval_size}", "checkpoint.every=0", f"run.output_dir={out / 'runs'}", f"run.name={name}",
-               f"run.artifacts_dir={args.artifacts}", "run.progress=false", "run.tensorboard=false", *args.overrides]
+        cmd = [
+            sys.executable,
+            str(REPO / "jobs" / "train.py"),
+            *METHODS[method],
+            f"trainer.seed={seed}",
+            f"trainer.total_steps={args.steps}",
+            f"trainer.prompts_per_step={args.prompts}",
+            "trainer.eval_every=0",
+            f"trainer.eval_size={args.eval_size}",
+            "checkpoint.every=0",
+            f"run.output_dir={out / 'runs'}",
+            f"run.name={name}",
+            f"run.artifacts_dir={args.artifacts}",
+            "run.progress=false",
+            "run.tensorboard=false",
+            *args.overrides,
+        ]
         if run_dir.exists():  # an interrupted run: start it again from scratch
             import shutil
 
@@ -60,12 +82,17 @@ def run_one(method: str, seed: int, args, out: Path) -> dict | None:
     summary = json.loads((run_dir / "summary.json").read_text())
     metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "reward" in m]
-    return {"method": method, "seed": seed, "before": summary["before"], "after": summary["after"],
-            "paired_change": summary.get("paired_change", {}),
-            "curve": [(m["step"], m["reward"]) for m in steps],
-            "per_step": {k: statistics.median(m[k] for m in steps) for k in STEP_KEYS if steps and k in steps[0]},
-            "rewards": {k: statistics.mean(m[k] for m in steps) for k in REWARD_KEYS if steps and k in steps[0]},
-            "slot_success": slot_success(run_dir)}
+    return {
+        "method": method,
+        "seed": seed,
+        "before": summary["before"],
+        "after": summary["after"],
+        "paired_change": summary.get("paired_change", {}),
+        "curve": [(m["step"], m["reward"]) for m in steps],
+        "per_step": {k: statistics.median(m[k] for m in steps) for k in STEP_KEYS if steps and k in steps[0]},
+        "rewards": {k: statistics.mean(m[k] for m in steps) for k in REWARD_KEYS if steps and k in steps[0]},
+        "slot_success": slot_success(run_dir),
+    }
 
 
 def slot_success(run_dir: Path) -> dict:
@@ -76,7 +103,11 @@ def slot_success(run_dir: Path) -> dict:
     counts: dict[str, list[int]] = {}
     for f in sorted((run_dir / "trajectories").glob("step-*.parquet")):
         for r in pq.read_table(f, columns=["problem_id", "slot_kind", "correct", "num_retrievals"]).to_pylist():
-            kind = "retrieved" if r["num_retrievals"] else ("hybrid, none retrieved" if r["slot_kind"] == "hybrid" else r["slot_kind"])
+            kind = (
+                "retrieved"
+                if r["num_retrievals"]
+                else ("hybrid, none retrieved" if r["slot_kind"] == "hybrid" else r["slot_kind"])
+            )
             c = counts.setdefault(f"{r['problem_id'].split('-')[0]} {kind}", [0, 0])
             c[0], c[1] = c[0] + int(r["correct"]), c[1] + 1
     return {k: c / n for k, (c, n) in sorted(counts.items())}
@@ -87,9 +118,13 @@ def _ms(xs) -> str:
 
 
 def tables(results: list[dict]) -> str:
-    fams = sorted({k.split("/")[1] for r in results for k in r["after"] if k.endswith("/accuracy") and k != "eval/mean_accuracy"})
-    lines = ["| method | " + " | ".join(f"{f} acc" for f in fams) + " | mean acc | Δ mean vs before |",
-             "|---|" + "---|" * (len(fams) + 2)]
+    fams = sorted(
+        {k.split("/")[1] for r in results for k in r["after"] if k.endswith("/accuracy") and k != "eval/mean_accuracy"}
+    )
+    lines = [
+        "| method | " + " | ".join(f"{f} acc" for f in fams) + " | mean acc | Δ mean vs before |",
+        "|---|" + "---|" * (len(fams) + 2),
+    ]
     for method in METHODS:
         rs = [r for r in results if r["method"] == method]
         if not rs:
@@ -98,13 +133,22 @@ def tables(results: list[dict]) -> str:
         mean = [r["after"]["eval/mean_accuracy"] for r in rs]
         delta = [r["after"]["eval/mean_accuracy"] - r["before"]["eval/mean_accuracy"] for r in rs]
         lines.append(f"| {method} | " + " | ".join(cells) + f" | {_ms(mean)} | {_ms(delta)} |")
-    lines += ["", "| method | step s | rollout s | old-logprob s | update s | sync s | rollout tokens | tool calls | retrievals | learner tokens/s |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| method | step s | rollout s | old-logprob s | update s | sync s | rollout tokens | tool calls | retrievals | learner tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for method in METHODS:
         rs = [r for r in results if r["method"] == method]
         if rs:
             cell = [statistics.mean(r["per_step"].get(k, 0.0) for r in rs) for k in STEP_KEYS]
-            lines.append(f"| {method} | " + " | ".join(f"{c:.2f}" for c in cell[:5]) + " | " + " | ".join(f"{c:.0f}" for c in cell[5:]) + " |")
+            lines.append(
+                f"| {method} | "
+                + " | ".join(f"{c:.2f}" for c in cell[:5])
+                + " | "
+                + " | ".join(f"{c:.0f}" for c in cell[5:])
+                + " |"
+            )
     lines += ["", "| method | on-policy slot reward | hybrid slot reward | retrieval reward Z |", "|---|---|---|---|"]
     for method in METHODS:
         rs = [r for r in results if r["method"] == method and r.get("rewards")]
@@ -117,8 +161,12 @@ def tables(results: list[dict]) -> str:
         for method in METHODS:
             rs = [r for r in results if r["method"] == method and r.get("slot_success")]
             if rs:
-                cells = [_ms([r["slot_success"][k] for r in rs if k in r["slot_success"]]) if any(k in r["slot_success"] for r in rs) else "-"
-                         for k in kinds]
+                cells = [
+                    _ms([r["slot_success"][k] for r in rs if k in r["slot_success"]])
+                    if any(k in r["slot_success"] for r in rs)
+                    else "-"
+                    for k in kinds
+                ]
                 lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -154,8 +202,11 @@ def main() -> int:
     ap.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma-separated, of: {', '.join(METHODS)}")
     ap.add_argument("--artifacts", default=str(REPO / "artifacts"), help="shared warm start + buffer (built once)")
     ap.add_argument("--out", default=str(REPO / "runs" / "compare"))
-    ap.add_argument("--report", default=str(REPO / "benchmarks" / "results" / "compare.json"),
-                    help="where the JSON report goes; the curves PNG goes beside it unless it is the default (docs/)")
+    ap.add_argument(
+        "--report",
+        default=str(REPO / "benchmarks" / "results" / "compare.json"),
+        help="where the JSON report goes; the curves PNG goes beside it unless it is the default (docs/)",
+    )
     ap.add_argument("overrides", nargs="*", help="extra config overrides applied to every run")
     args = ap.parse_args()
     out = Path(args.out)
@@ -168,8 +219,15 @@ def main() -> int:
         for method in methods:
             r = run_one(method, seed, args, out)
             (results.append(r) if r is not None else failed.append(f"{method} seed {seed}"))
-    report = {"steps": args.steps, "prompts_per_step": args.prompts, "group_size": 16, "eval_size": args.eval_size,
-              "overrides": args.overrides, "failed": failed, "runs": results}
+    report = {
+        "steps": args.steps,
+        "prompts_per_step": args.prompts,
+        "group_size": 16,
+        "eval_size": args.eval_size,
+        "overrides": args.overrides,
+        "failed": failed,
+        "runs": results,
+    }
     dest = Path(args.report)
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(report, indent=1))

@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def common_overrides(args) -> list[str]:
@@ -41,13 +40,30 @@ def common_overrides(args) -> list[str]:
 def ours(args, out: Path, repeat: int, model_dir: str) -> dict:
     name = f"ours-r{repeat}"
     run_dir = out / "runs" / name
-    cmd = [sys.executable, str(REPO / "jobs" / "train.py"), "algo.name=grpo", "algo.n_hybrid=0",
-           f"algo.group_size={args.group}", "rollout.max_tool_calls=0", f"rollout.max_response_tokens={args.max_tokens}",
-           f"rollout.max_step_tokens={args.max_tokens}", f"trainer.total_steps={args.steps}", f"trainer.prompts_per_step={args.prompts}",
-           f"learner.mini_batch_size={args.prompts * args.group}", "learner.ppo_epochs=1", f"learner.lr={args.lr}",
-           "trainer.eval_every=0", "trainer.eval_size=4", "checkpoint.every=0", f"trainer.seed={repeat}",
-           f"run.output_dir={out / 'runs'}", f"run.name={name}", "run.progress=false", "run.tensorboard=false",
-           f"model.path={model_dir}", *common_overrides(args)]
+    cmd = [
+        sys.executable,
+        str(REPO / "jobs" / "train.py"),
+        "algo.name=grpo",
+        f"algo.group_size={args.group}",
+        "rollout.max_tool_calls=0",
+        f"rollout.max_response_tokens={args.max_tokens}",
+        f"rollout.max_step_tokens={args.max_tokens}",
+        f"trainer.total_steps={args.steps}",
+        f"trainer.prompts_per_step={args.prompts}",
+        f"learner.mini_batch_size={args.prompts * args.group}",
+        "learner.ppo_epochs=1",
+        f"learner.lr={args.lr}",
+        "trainer.eval_every=0",
+        "trainer.eval_size=4",
+        "checkpoint.every=0",
+        f"trainer.seed={repeat}",
+        f"run.output_dir={out / 'runs'}",
+        f"run.name={name}",
+        "run.progress=false",
+        "run.tensorboard=false",
+        f"model.path={model_dir}",
+        *common_overrides(args),
+    ]
     if run_dir.exists():
         import shutil
 
@@ -59,8 +75,12 @@ def ours(args, out: Path, repeat: int, model_dir: str) -> dict:
         raise SystemExit(f"our run failed (exit {rc}); see {log}")
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in steps if "step_s" in m][1:]  # the first step warms up engines and learners
-    return {"step_s": [m["step_s"] for m in steps], "tokens": [m["rollout_tokens"] for m in steps],
-            "samples": args.prompts * args.group, "reward": statistics.mean(m["reward"] for m in steps)}
+    return {
+        "step_s": [m["step_s"] for m in steps],
+        "tokens": [m["rollout_tokens"] for m in steps],
+        "samples": args.prompts * args.group,
+        "reward": statistics.mean(m["reward"] for m in steps),
+    }
 
 
 def trl_worker(args, model_dir: str, repeat: int) -> dict:
@@ -85,13 +105,20 @@ def trl_worker(args, model_dir: str, repeat: int) -> dict:
     system = protocol.system_prompt_for(cfg.tasks.system_prompt, bundled=True)
     train, _ = task_splits(cfg.tasks)
     rows = [t for fam in sorted(train) for t in train[fam][:200]]
-    data = Dataset.from_list([{"prompt": protocol.render_prompt(t.question, system), "answers": list(t.answers), "kind": t.kind}
-                              for t in rows]).shuffle(seed=repeat)
+    data = Dataset.from_list(
+        [
+            {"prompt": protocol.render_prompt(t.question, system), "answers": list(t.answers), "kind": t.kind}
+            for t in rows
+        ]
+    ).shuffle(seed=repeat)
     generated = []
 
     def reward(prompts, completions, completion_ids, answers, kind, **_):
         generated.append(sum(len(ids) for ids in completion_ids))
-        return [score(tok.decode(ids, skip_special_tokens=False), a, k).reward for ids, a, k in zip(completion_ids, answers, kind)]
+        return [
+            score(tok.decode(ids, skip_special_tokens=False), a, k).reward
+            for ids, a, k in zip(completion_ids, answers, kind)
+        ]
 
     step_times, last = [], [None]
 
@@ -103,24 +130,53 @@ def trl_worker(args, model_dir: str, repeat: int) -> dict:
             step_times.append(time.perf_counter() - last[0])
 
     batch = args.prompts * args.group
-    conf = GRPOConfig(output_dir=str(Path(args.artifacts) / "peer_trl" / "trl_output"), per_device_train_batch_size=batch, gradient_accumulation_steps=1,
-                      num_generations=args.group, max_completion_length=args.max_tokens, temperature=1.0, learning_rate=args.lr,
-                      beta=0.0, num_iterations=1, max_steps=args.steps, logging_steps=1, report_to="none", use_cpu=True,
-                      save_strategy="no", seed=repeat, disable_dropout=True, epsilon=0.28, epsilon_high=0.28)
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=conf, train_dataset=data, processing_class=tok, callbacks=[Timer()])
+    conf = GRPOConfig(
+        output_dir=str(Path(args.artifacts) / "peer_trl" / "trl_output"),
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        num_generations=args.group,
+        max_completion_length=args.max_tokens,
+        temperature=1.0,
+        learning_rate=args.lr,
+        beta=0.0,
+        num_iterations=1,
+        max_steps=args.steps,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        seed=repeat,
+        disable_dropout=True,
+        epsilon=0.28,
+        epsilon_high=0.28,
+    )
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=reward, args=conf, train_dataset=data, processing_class=tok, callbacks=[Timer()]
+    )
     trainer.train()
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    return {"step_s": step_times[1:], "tokens": generated[1:len(step_times)], "samples": batch,
-            "reward": statistics.mean(rewards[1:]) if len(rewards) > 1 else float("nan"), "torch_threads": torch.get_num_threads()}
+    return {
+        "step_s": step_times[1:],
+        "tokens": generated[1 : len(step_times)],
+        "samples": batch,
+        "reward": statistics.mean(rewards[1:]) if len(rewards) > 1 else float("nan"),
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def summarize(runs: list[dict]) -> dict:
     per_run = []
     for r in runs:
         step = statistics.median(r["step_s"])
-        per_run.append({"step_s": step, "samples_per_s": r["samples"] / step,
-                        "tokens_per_s": statistics.median(t / s for t, s in zip(r["tokens"], r["step_s"])),
-                        "tokens_per_sample": statistics.mean(r["tokens"]) / r["samples"], "reward": r["reward"]})
+        per_run.append(
+            {
+                "step_s": step,
+                "samples_per_s": r["samples"] / step,
+                "tokens_per_s": statistics.median(t / s for t, s in zip(r["tokens"], r["step_s"])),
+                "tokens_per_sample": statistics.mean(r["tokens"]) / r["samples"],
+                "reward": r["reward"],
+            }
+        )
     return {k: statistics.median(p[k] for p in per_run) for k in per_run[0]} | {"runs": per_run}
 
 
@@ -160,10 +216,34 @@ def main() -> int:
         results["ours"].append(ours(args, out, r, model_dir))
         print(f"ours repeat {r}: {time.perf_counter() - t0:.0f} s", flush=True)
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, __file__, "--trl-worker", str(r), "--model", model_dir, "--steps", str(args.steps),
-                               "--prompts", str(args.prompts), "--group", str(args.group), "--max-tokens", str(args.max_tokens),
-                               "--lr", str(args.lr), "--artifacts", args.artifacts, "--out", args.out, *args.overrides],
-                              capture_output=True, text=True, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+        proc = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--trl-worker",
+                str(r),
+                "--model",
+                model_dir,
+                "--steps",
+                str(args.steps),
+                "--prompts",
+                str(args.prompts),
+                "--group",
+                str(args.group),
+                "--max-tokens",
+                str(args.max_tokens),
+                "--lr",
+                str(args.lr),
+                "--artifacts",
+                args.artifacts,
+                "--out",
+                args.out,
+                *args.overrides,
+            ],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, TOKENIZERS_PARALLELISM="false"),
+        )
         line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
         if proc.returncode != 0 or not line:
             (out / f"trl-r{r}.log").write_text(proc.stdout + proc.stderr)
@@ -171,14 +251,20 @@ def main() -> int:
         results["trl"].append(json.loads(line[-1][7:]))
         print(f"trl repeat {r}: {time.perf_counter() - t0:.0f} s", flush=True)
     table = {k: summarize(v) for k, v in results.items()}
-    ratio = {"samples_per_s": table["ours"]["samples_per_s"] / table["trl"]["samples_per_s"],
-             "tokens_per_s": table["ours"]["tokens_per_s"] / table["trl"]["tokens_per_s"]}
+    ratio = {
+        "samples_per_s": table["ours"]["samples_per_s"] / table["trl"]["samples_per_s"],
+        "tokens_per_s": table["ours"]["tokens_per_s"] / table["trl"]["tokens_per_s"],
+    }
     print(f"\n{'trainer':8} {'step s':>7} {'samples/s':>10} {'gen tok/s':>10} {'tok/sample':>10} {'reward':>7}")
     for k in ("ours", "trl"):
         t = table[k]
-        print(f"{k:8} {t['step_s']:7.2f} {t['samples_per_s']:10.2f} {t['tokens_per_s']:10.1f} {t['tokens_per_sample']:10.1f} {t['reward']:7.3f}")
+        print(
+            f"{k:8} {t['step_s']:7.2f} {t['samples_per_s']:10.2f} {t['tokens_per_s']:10.1f} {t['tokens_per_sample']:10.1f} {t['reward']:7.3f}"
+        )
     print(f"ours / TRL: samples/s {ratio['samples_per_s']:.2f}x, generated tokens/s {ratio['tokens_per_s']:.2f}x")
-    Path(args.out).write_text(json.dumps({"config": vars(args), "model": model_dir, "table": table, "ratio": ratio, "raw": results}, indent=1))
+    Path(args.out).write_text(
+        json.dumps({"config": vars(args), "model": model_dir, "table": table, "ratio": ratio, "raw": results}, indent=1)
+    )
     print(f"wrote {args.out}")
     return 0
 

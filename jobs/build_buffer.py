@@ -13,21 +13,20 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from _cli import parse  # noqa: E402
+from rapo_ray.cli import parse  # noqa: E402
 
 
 def main(argv=None) -> int:
     cfg, _ = parse(__doc__, argv)
     import ray
 
-    from rapo_ray.retrieval.buffer import build_buffer
+    from rapo_ray.launcher import init_ray
+    from rapo_ray.retrieval.buffer import build_buffer, manifest_path
     from rapo_ray.retrieval.store import MilvusLiteServer
     from rapo_ray.sft import warm_start
-    from rapo_ray.trainer import init_ray, rl_task_pool
+    from rapo_ray.trainer import rl_task_pool
 
     started = init_ray(cfg)
     server = None
@@ -38,9 +37,7 @@ def main(argv=None) -> int:
             server = MilvusLiteServer(Path(cfg.run.artifacts_dir) / "milvus")
             uri = server.uri
         pool, _ = rl_task_pool(cfg)
-        manifest = Path(cfg.run.artifacts_dir) / "milvus" / f"manifest-{cfg.retrieval.collection}.json"
-        manifest.parent.mkdir(parents=True, exist_ok=True)
-        report = build_buffer(cfg, str(model_dir), uri, [t for ts in pool.values() for t in ts], manifest)
+        report = build_buffer(cfg, str(model_dir), uri, [t for ts in pool.values() for t in ts], manifest_path(cfg))
         print(report.table())
         print(f"{report.steps / max(report.seconds, 1e-9):.1f} steps/s written this run")
     finally:

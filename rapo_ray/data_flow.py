@@ -1,10 +1,10 @@
-"""The step's trajectories as a Ray Data pipeline: Arrow rows -> per-group advantages (``map_groups``).
+"""A step's advantages, computed in the driver or as a Ray Data pipeline over the step's Arrow rows.
 
-``trainer.advantages_on=ray_data`` routes a step's advantage computation through here instead of the driver;
-the numbers are identical (``rapo_ray.algos.group_advantages`` works per group either way); what it adds is
-Ray Data's per-step scheduling cost, logged as ``advantages_s``. Ray Data's tasks need free CPU slots: measured
-~40 ms per step on an idle 2-core box, 2.3 s inside the default run (its actors hold 4 of 6 logical CPUs), and it
-waits forever when actors hold every slot. That is why the driver is the default.
+``compute_advantages`` fills the advantage stage of a ``TrajectoryBatch``: exact per-step entropies from the
+learner's old-policy pass, then the algorithm's group-wise estimator. ``trainer.advantages_on=ray_data`` runs
+the estimator as ``map_groups`` (one call per group) instead of in the driver; the numbers are identical, what
+it adds is Ray Data's per-step scheduling cost (measurements in docs/RESULTS.md), which is why the driver is
+the default.
 """
 
 from __future__ import annotations
@@ -12,18 +12,41 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import ray
+import torch
 
-from rapo_ray.algos.group import group_advantages
+from rapo_ray.algos.entropy import step_entropies
+from rapo_ray.algos.registry import Algorithm
+from rapo_ray.batch import TrajectoryBatch
 
 
-def advantages_with_ray_data(batch: dict, algo) -> dict:
-    """``group_advantages`` over ``batch`` (columns of ``INPUT_COLUMNS``), one ``map_groups`` call per group."""
+def compute_advantages(batch: TrajectoryBatch, algorithm: Algorithm, algo_cfg, on: str = "driver") -> None:
+    """Fill ``batch.step_entropies`` [B][S_i] (from ``batch.entropies``), ``advantage``, ``retrieval_reward`` and
+    ``shaping`` [B] with ``algorithm``'s estimator, run in the driver or (``on="ray_data"``) in Ray Data."""
+    batch.require("entropies")
+    batch.step_entropies = [step_entropies(torch.tensor(ent), t.segments) for t, ent in zip(batch, batch.entropies)]
+    columns = batch.advantage_inputs()
+    out = (
+        advantages_with_ray_data(columns, algorithm, algo_cfg)
+        if on == "ray_data"
+        else algorithm.advantages(columns, algo_cfg)
+    )
+    batch.advantage = [float(x) for x in out["advantage"]]
+    batch.retrieval_reward = [float(x) for x in out["retrieval_reward"]]
+    batch.shaping = [float(x) for x in out["shaping"]]
+
+
+def advantages_with_ray_data(columns: dict, algorithm: Algorithm, algo_cfg) -> dict:
+    """``algorithm.advantages`` over ``columns`` (``ADVANTAGE_INPUTS``), one ``map_groups`` call per group."""
 
     def per_group(group: dict) -> dict:
-        return {k: np.asarray(v) for k, v in group_advantages(group, algo).items()}
+        return {k: np.asarray(v) for k, v in algorithm.advantages(group, algo_cfg).items()}
 
     # One shuffle partition: a step holds a few dozen groups, and the default partition count costs seconds.
-    ds = ray.data.from_arrow(pa.table(batch)).groupby("group_id", num_partitions=1).map_groups(per_group, batch_format="numpy")
+    ds = (
+        ray.data.from_arrow(pa.table(columns))
+        .groupby("group_id", num_partitions=1)
+        .map_groups(per_group, batch_format="numpy")
+    )
     out: dict[str, list] = {"row": [], "advantage": [], "retrieval_reward": [], "shaping": []}
     for b in ds.iter_batches(batch_format="numpy", batch_size=None):
         for k in out:

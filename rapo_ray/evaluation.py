@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
-from rapo_ray.agent.loop import AgentLoop, LoopSettings, Task
+from rapo_ray.agent.loop import AgentLoop, LoopSettings
+from rapo_ray.agent.trajectory import Task, Trajectory
 
 
 @dataclass
@@ -21,21 +23,30 @@ class FamilyResult:
         return self.__dict__.copy()
 
 
-def results_from_rows(rows: list[dict]) -> FamilyResult:
-    """One dataset's result from trajectory rows (``Trajectory.to_row``), one row per example and sample."""
-    n = max(len(rows), 1)
+def family_result(trajectories: Sequence[Trajectory]) -> FamilyResult:
+    """One dataset's result from its trajectories, one per example and sample."""
+    n = max(len(trajectories), 1)
     return FamilyResult(
-        n=len({r["problem_id"] for r in rows}),
-        accuracy=sum(float(r["correct"]) for r in rows) / n,
-        f1=sum(float(r["f1"]) for r in rows) / n,
-        format_valid=sum(float(r["format_ok"]) for r in rows) / n,
-        mean_tool_calls=sum(r["tool_calls"] for r in rows) / n,
-        mean_response_tokens=sum(len(r["response_ids"]) for r in rows) / n,
+        n=len({t.problem_id for t in trajectories}),
+        accuracy=sum(float(t.correct) for t in trajectories) / n,
+        f1=sum(float(t.f1) for t in trajectories) / n,
+        format_valid=sum(float(t.format_ok) for t in trajectories) / n,
+        mean_tool_calls=sum(t.tool_calls for t in trajectories) / n,
+        mean_response_tokens=sum(len(t.response_ids) for t in trajectories) / n,
     )
 
 
-def evaluate(engine, tokenizer, tools, tasks_by_family: dict[str, list[Task]], cfg, limit: int | None = None,
-             temperature: float = 0.0, samples: int = 1, seed: int = 0) -> dict[str, FamilyResult]:
+def evaluate(
+    engine,
+    tokenizer,
+    tools,
+    tasks_by_family: dict[str, list[Task]],
+    cfg,
+    limit: int | None = None,
+    temperature: float = 0.0,
+    samples: int = 1,
+    seed: int = 0,
+) -> dict[str, FamilyResult]:
     """Greedy (default) or sampled pass@1 on each family. ``samples`` > 1 averages over samples per task."""
     settings = LoopSettings.from_config(cfg, evaluation=True)
     settings.temperature, settings.seed = temperature, seed
@@ -44,15 +55,7 @@ def evaluate(engine, tokenizer, tools, tasks_by_family: dict[str, list[Task]], c
     for fam, tasks in tasks_by_family.items():
         tasks = tasks[:limit] if limit else tasks
         trajs, _ = loop.run_groups(tasks, group_size=samples, n_hybrid=0)
-        n = len(trajs)
-        out[fam] = FamilyResult(
-            n=len(tasks),
-            accuracy=sum(t.correct for t in trajs) / n,
-            f1=sum(t.f1 for t in trajs) / n,
-            format_valid=sum(t.format_ok for t in trajs) / n,
-            mean_tool_calls=sum(t.tool_calls for t in trajs) / n,
-            mean_response_tokens=sum(len(t.response_ids) for t in trajs) / n,
-        )
+        out[fam] = family_result(trajs)
     return out
 
 
@@ -68,12 +71,20 @@ def paired_change(before: dict[str, bool], after: dict[str, bool]) -> dict:
     broken = sum(1 for i in ids if before[i] and not after[i])
     flips = fixed + broken
     tail = sum(math.comb(flips, k) for k in range(min(fixed, broken) + 1)) / 2**flips if flips else 1.0
-    return {"n": len(ids), "fixed": fixed, "broken": broken, "gain": (fixed - broken) / max(len(ids), 1), "p_value": min(1.0, 2 * tail)}
+    return {
+        "n": len(ids),
+        "fixed": fixed,
+        "broken": broken,
+        "gain": (fixed - broken) / max(len(ids), 1),
+        "p_value": min(1.0, 2 * tail),
+    }
 
 
 def format_table(results: dict[str, FamilyResult], title: str = "") -> str:
     lines = [title] if title else []
     lines.append(f"{'family':12} {'n':>5} {'acc':>7} {'f1':>7} {'format':>7} {'tools':>6} {'tokens':>7}")
     for fam, r in results.items():
-        lines.append(f"{fam:12} {r.n:5d} {r.accuracy:7.3f} {r.f1:7.3f} {r.format_valid:7.3f} {r.mean_tool_calls:6.2f} {r.mean_response_tokens:7.1f}")
+        lines.append(
+            f"{fam:12} {r.n:5d} {r.accuracy:7.3f} {r.f1:7.3f} {r.format_valid:7.3f} {r.mean_tool_calls:6.2f} {r.mean_response_tokens:7.1f}"
+        )
     return "\n".join(lines)

@@ -1,8 +1,9 @@
-"""The learner group: ``LearnerWorker`` actors in one torch.distributed group (gloo on CPU, NCCL on GPU),
-the model sharded with FSDP2 ``fully_shard``.
+"""The learner group: ``LearnerWorker`` actors (one per rank) in one torch.distributed group (gloo on CPU, NCCL
+on GPU), the model sharded with FSDP2 ``fully_shard``; ``LearnerGroup`` is how the trainer talks to them.
 
-Each step the driver sends every rank the same number of micro-batches (dummy rows with an all-zero mask
-keep ranks in lockstep, since FSDP's collectives need every rank in every forward/backward):
+Each step the group sends every rank the same number of micro-batches of the step's ``TrajectoryBatch``
+(padding rows with an all-zero mask keep ranks in lockstep, since FSDP's collectives need every rank in
+every forward/backward):
 1. ``forward_old``: log-probs and full-vocabulary entropies of the response tokens under pi_old (RAPO's
    step entropies come from here, spec ambiguity 1a);
 2. ``update``: PPO mini-batches with the clipped RAPO/GRPO loss, gradient clipping, lr schedule; with
@@ -16,69 +17,63 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+import random
 
+import ray
 import torch
 
-from rapo_ray.algos import PolicyLossConfig, policy_loss, token_entropy_from_logits
+from rapo_ray.agent.trajectory import Trajectory
+from rapo_ray.algos import PolicyLossConfig, aggregation_denominator, policy_loss, token_entropy_from_logits
+from rapo_ray.batch import TrajectoryBatch
+from rapo_ray.config import Config, from_dict, to_dict
+from rapo_ray.net import free_port
 
 
-@dataclass
-class LearnerRow:
-    """One trajectory as the learner sees it (response padded to the micro-batch)."""
-
-    input_ids: list[int]  # prompt + response
-    prompt_len: int
-    loss_mask: list[int]  # over the response
-    advantage: float = 0.0
-    shaping: float = 1.0
-    old_logprobs: list[float] | None = None  # over the response
-    entropies: list[float] | None = None  # over the response, from forward_old (full vocabulary)
-
-
-def dummy_like(row: LearnerRow) -> LearnerRow:
-    return LearnerRow(row.input_ids, row.prompt_len, [0] * len(row.loss_mask), 0.0, 1.0,
-                      [0.0] * len(row.loss_mask) if row.old_logprobs is not None else None)
-
-
-def split_for_ranks(rows: list[LearnerRow], world: int, micro: int) -> list[list[list[LearnerRow]]]:
-    """rows -> [rank][micro-batch] with the same number of micro-batches on every rank."""
-    per_rank = [rows[r::world] for r in range(world)]
-    n_micro = max(1, max(math.ceil(len(p) / micro) for p in per_rank))
-    filler = dummy_like(rows[0])
-    out = []
-    for p in per_rank:
-        mbs = [p[i * micro:(i + 1) * micro] for i in range(n_micro)]
-        out.append([mb if mb else [filler] for mb in mbs])
-    return out
-
-
-def _collate(rows: list[LearnerRow], pad_id: int):
-    """Right-padded [B, L] inputs and [B, L-1] response-aligned targets/masks."""
-    L = max(len(r.input_ids) for r in rows)
-    B = len(rows)
+def _collate(batch: TrajectoryBatch, pad_id: int):
+    """Right-padded [B, L] inputs (prompt + response) and [B, L-1] target-aligned response/loss masks and old
+    log-probs (L = the longest prompt + response)."""
+    trajs = batch.trajectories
+    L = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
+    B = len(trajs)
     ids = torch.full((B, L), pad_id, dtype=torch.long)
     attn = torch.zeros((B, L), dtype=torch.long)
     resp = torch.zeros((B, L - 1), dtype=torch.float32)  # 1 where the target is a response token
     mask = torch.zeros((B, L - 1), dtype=torch.float32)
     old = torch.zeros((B, L - 1), dtype=torch.float32)
-    for i, r in enumerate(rows):
-        n = len(r.input_ids)
-        ids[i, :n] = torch.tensor(r.input_ids)
+    for i, t in enumerate(trajs):
+        n = len(t.prompt_ids) + len(t.response_ids)
+        ids[i, :n] = torch.tensor(list(t.prompt_ids) + list(t.response_ids))
         attn[i, :n] = 1
-        s, e = r.prompt_len - 1, n - 1
+        s, e = len(t.prompt_ids) - 1, n - 1
         resp[i, s:e] = 1
-        mask[i, s:e] = torch.tensor(r.loss_mask, dtype=torch.float32)
-        if r.old_logprobs is not None:
-            old[i, s:e] = torch.tensor(r.old_logprobs, dtype=torch.float32)
+        mask[i, s:e] = torch.tensor(t.loss_mask, dtype=torch.float32)
+        if batch.old_logprobs is not None:
+            old[i, s:e] = torch.tensor(batch.old_logprobs[i], dtype=torch.float32)
     return ids, attn, resp, mask, old
 
 
+def _filler(pad_id: int) -> TrajectoryBatch:
+    """A one-row micro-batch that weighs nothing in the loss (all-zero mask, advantage 0)."""
+    t = Trajectory(
+        group_id="",
+        slot=-1,
+        slot_kind="padding",
+        problem_id="",
+        task_kind="",
+        answers=(),
+        prompt_ids=[pad_id],
+        response_ids=[pad_id],
+        loss_mask=[0],
+    )
+    return TrajectoryBatch([t], old_logprobs=[[0.0]], advantage=[0.0], shaping=[1.0])
+
+
 class LearnerWorker:
-    def __init__(self, rank: int, world_size: int, master_port: int, model_dir: str, cfg_dict: dict, backend: str = "auto"):
+    def __init__(
+        self, rank: int, world_size: int, master_port: int, model_dir: str, cfg_dict: dict, backend: str = "auto"
+    ):
         import torch.distributed as dist
 
-        from rapo_ray.config import from_dict
         from rapo_ray.model import load_model, set_torch_threads
 
         self.cfg = from_dict(cfg_dict)
@@ -87,7 +82,10 @@ class LearnerWorker:
         use_cuda = torch.cuda.is_available() and self.cfg.resources.gpus_per_learner > 0
         self.device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
         backend = backend if backend != "auto" else ("nccl" if use_cuda else "gloo")
-        os.environ.update(MASTER_ADDR="127.0.0.1" if not use_cuda else os.environ.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(master_port))
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1" if not use_cuda else os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            MASTER_PORT=str(master_port),
+        )
         if not dist.is_initialized():
             dist.init_process_group(backend, rank=rank, world_size=world_size)
         lc = self.cfg.learner
@@ -113,7 +111,9 @@ class LearnerWorker:
                     fully_shard(layer)
                 fully_shard(ref)
             self.ref_model = ref
-        self.opt = torch.optim.AdamW(model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay, betas=(0.9, 0.999), eps=1e-8)
+        self.opt = torch.optim.AdamW(
+            model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay, betas=(0.9, 0.999), eps=1e-8
+        )
         total = max(1, self.cfg.trainer.total_steps)
 
         def schedule(step: int) -> float:
@@ -127,8 +127,14 @@ class LearnerWorker:
 
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule)
         a = self.cfg.algo
-        self.loss_cfg = PolicyLossConfig(clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip or None,
-                                         kl_coef=a.kl_coef, kl_type=a.kl_type, agg_mode=a.loss_agg_mode)
+        self.loss_cfg = PolicyLossConfig(
+            clip_low=a.clip_low,
+            clip_high=a.clip_high,
+            dual_clip=a.dual_clip or None,
+            kl_coef=a.kl_coef,
+            kl_type=a.kl_type,
+            agg_mode=a.loss_agg_mode,
+        )
 
     def ready(self) -> int:
         return self.rank
@@ -144,19 +150,18 @@ class LearnerWorker:
         return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None].to(self.device))[..., 0]
 
     @torch.no_grad()
-    def forward_old(self, micro_batches: list[list[LearnerRow]]) -> list[list[tuple[list[float], list[float]]]]:
-        """Per row: (log-probs, entropies) of its response tokens under the current (= old) policy."""
+    def forward_old(self, micro_batches: list[TrajectoryBatch]) -> list[tuple[list[float], list[float]]]:
+        """Per row of every micro-batch, in order: (log-probs, entropies) of its response tokens under the
+        current (= old) policy, each [L_i]."""
         out = []
-        for rows in micro_batches:
-            ids, attn, resp, _, _ = _collate(rows, self.pad_id)
+        for mb in micro_batches:
+            ids, attn, _, _, _ = _collate(mb, self.pad_id)
             logits = self._logits(ids, attn)
             logp = self._target_logprobs(logits, ids).cpu()
             ent = token_entropy_from_logits(logits).cpu()
-            res = []
-            for i, r in enumerate(rows):
-                s, e = r.prompt_len - 1, len(r.input_ids) - 1
-                res.append((logp[i, s:e].tolist(), ent[i, s:e].tolist()))
-            out.append(res)
+            for i, t in enumerate(mb.trajectories):
+                s, e = len(t.prompt_ids) - 1, len(t.prompt_ids) + len(t.response_ids) - 1
+                out.append((logp[i, s:e].tolist(), ent[i, s:e].tolist()))
         return out
 
     def update_from_stream(self, split, denominators: list[float], micro: int) -> dict:
@@ -169,40 +174,54 @@ class LearnerWorker:
         """
         import torch.distributed as dist
 
-        mine: list[list[LearnerRow]] = [[] for _ in denominators]
-        for batch in split.iter_batches(batch_size=None, batch_format="pyarrow"):
-            for rec in batch.to_pylist():
-                mine[rec["mb"]].append(LearnerRow(rec["input_ids"], rec["prompt_len"], rec["loss_mask"], rec["advantage"],
-                                                  rec["shaping"], rec["old_logprobs"]))
-        counts = torch.tensor([math.ceil(len(m) / micro) for m in mine], dtype=torch.long, device=self.device)
+        records: list[list[dict]] = [[] for _ in denominators]
+        for block in split.iter_batches(batch_size=None, batch_format="pyarrow"):
+            for rec in block.to_pylist():
+                records[rec["mb"]].append(rec)
+        mine = [TrajectoryBatch.from_learner_table(r) if r else None for r in records]
+        counts = torch.tensor([math.ceil(len(r) / micro) for r in records], dtype=torch.long, device=self.device)
         if self.world > 1:
             dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-        filler = LearnerRow([self.pad_id, self.pad_id], 1, [0], 0.0, 1.0, [0.0])
         minis = []
         for k, denominator in enumerate(denominators):
-            mbs = [mine[k][i * micro:(i + 1) * micro] for i in range(int(counts[k]))]
-            minis.append(([mb if mb else [filler] for mb in mbs], denominator))
+            mbs = []
+            for i in range(int(counts[k])):
+                part = (
+                    mine[k].select(range(i * micro, min((i + 1) * micro, len(mine[k]))))
+                    if mine[k] is not None
+                    else None
+                )
+                mbs.append(part if part is not None and len(part) else _filler(self.pad_id))
+            minis.append((mbs, denominator))
         out = self.update(minis)
-        out["rows"] = sum(len(m) for m in mine)
+        out["rows"] = sum(len(r) for r in records)
         return out
 
-    def update(self, mini_batches: list[tuple[list[list[LearnerRow]], float]]) -> dict:
+    def update(self, mini_batches: list[tuple[list[TrajectoryBatch], float]]) -> dict:
         """``mini_batches``: per PPO mini-batch, this rank's micro-batches and the global denominator."""
         stats: dict[str, float] = {}
         n = 0
         for micro_batches, denominator in mini_batches:
             self.opt.zero_grad(set_to_none=True)
-            for rows in micro_batches:
-                ids, attn, _, mask, old = _collate(rows, self.pad_id)
+            for mb in micro_batches:
+                ids, attn, _, mask, old = _collate(mb, self.pad_id)
                 ref_logp = None
                 if self.ref_model is not None:  # the KL penalty's reference log-probs (no gradient)
                     with torch.no_grad():
                         ref_logp = self._target_logprobs(self._logits(ids, attn, self.ref_model), ids)
                 logp = self._target_logprobs(self._logits(ids, attn), ids)
-                adv = torch.tensor([r.advantage for r in rows], dtype=torch.float32, device=self.device)
-                shaping = torch.tensor([r.shaping for r in rows], dtype=torch.float32, device=self.device)
-                loss, m = policy_loss(logp, old.to(self.device), adv, mask.to(self.device), self.loss_cfg,
-                                      shaping=shaping, ref_logp=ref_logp, denominator=denominator)
+                adv = torch.tensor(mb.advantage, dtype=torch.float32, device=self.device)
+                shaping = torch.tensor(mb.shaping, dtype=torch.float32, device=self.device)
+                loss, m = policy_loss(
+                    logp,
+                    old.to(self.device),
+                    adv,
+                    mask.to(self.device),
+                    self.loss_cfg,
+                    shaping=shaping,
+                    ref_logp=ref_logp,
+                    denominator=denominator,
+                )
                 (loss * self.world).backward()
                 w = m["loss_tokens"]
                 for k in ("clip_frac", "approx_kl", "ratio_mean", "kl_ref"):
@@ -236,7 +255,9 @@ class LearnerWorker:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         sd = self.full_state_dict()
-        osd = get_optimizer_state_dict(self.model, self.opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        osd = get_optimizer_state_dict(
+            self.model, self.opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         if self.rank == 0:
             from rapo_ray.model import load_model, load_tokenizer, save_model
 
@@ -247,7 +268,11 @@ class LearnerWorker:
         return True
 
     def load_checkpoint(self, path: str) -> bool:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         from rapo_ray.model import load_model
 
@@ -265,3 +290,174 @@ class LearnerWorker:
         if dist.is_initialized():
             dist.destroy_process_group()
         return True
+
+
+# ---------------------------------------------------------------- the group, as the trainer sees it
+
+
+class LearnerLost(RuntimeError):
+    """A learner actor died (its node went away): the step cannot finish; rebuild from the last checkpoint."""
+
+
+def _gather(refs: list) -> list:
+    """ray.get for learner calls that fails fast: the surviving ranks of a group that lost one would wait in a
+    collective, so the first dead rank ends the wait."""
+    results, pending = {}, list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        try:
+            results[ready[0]] = ray.get(ready[0])  # each result fetched once (a full state dict can be GBs)
+        # ObjectLostError: the learner finished, but its node went away before its result was fetched
+        except (
+            ray.exceptions.RayActorError,
+            ray.exceptions.ActorUnavailableError,
+            ray.exceptions.ObjectLostError,
+        ) as exc:
+            raise LearnerLost(f"a learner died: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+    return [results[r] for r in refs]
+
+
+def split_for_ranks(batch: TrajectoryBatch, world: int, micro: int) -> list[list[TrajectoryBatch]]:
+    """``batch`` -> [rank][micro-batch]: row i goes to rank ``i % world``; every rank gets the same number of
+    micro-batches, a rank with fewer rows gets padding micro-batches at its end."""
+    per_rank = [list(range(r, len(batch), world)) for r in range(world)]
+    n_micro = max(1, max(math.ceil(len(p) / micro) for p in per_rank))
+    out = []
+    for rows in per_rank:
+        mbs = [rows[i * micro : (i + 1) * micro] for i in range(n_micro)]
+        out.append([batch.select(mb) if mb else batch.padding_like(1) for mb in mbs])
+    return out
+
+
+class LearnerGroup:
+    """The learner ranks as one object (after OpenRLHF's actor group): one ``LearnerWorker`` per rank in a
+    placement group, one torch.distributed group among them. It splits a ``TrajectoryBatch`` over the ranks
+    and puts the results back in row order, so its caller never sees ranks. A dead rank raises
+    ``LearnerLost`` from any call."""
+
+    def __init__(self, cfg: Config, model_dir):
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.cfg = cfg
+        lc, rc = cfg.learner, cfg.resources
+        bundle = {"CPU": rc.cpus_per_learner} | ({"GPU": rc.gpus_per_learner} if rc.gpus_per_learner else {})
+        bundle |= dict(rc.learner_custom_resources)
+        self.pg = placement_group([bundle] * lc.world_size, strategy="PACK")
+        ready, _ = ray.wait([self.pg.ready()], timeout=rc.placement_timeout_s)
+        if not ready:
+            remove_placement_group(self.pg)
+            raise RuntimeError(
+                f"the learner placement group ({lc.world_size} x {bundle}) could not be scheduled within "
+                f"{rc.placement_timeout_s:g} s (resources.placement_timeout_s)"
+            )
+        actor = ray.remote(
+            num_cpus=rc.cpus_per_learner,
+            num_gpus=rc.gpus_per_learner,
+            resources=dict(rc.learner_custom_resources) or None,
+        )(LearnerWorker)
+        port, cfg_dict = free_port(), to_dict(cfg)
+        self.workers = [
+            actor.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r)
+            ).remote(r, lc.world_size, port, str(model_dir), cfg_dict, lc.backend)
+            for r in range(lc.world_size)
+        ]
+        _gather([w.ready.remote() for w in self.workers])
+
+    @property
+    def world_size(self) -> int:
+        return len(self.workers)
+
+    def forward_old(self, batch: TrajectoryBatch) -> None:
+        """Fill ``batch.old_logprobs`` and ``batch.entropies`` ([B][L_i]) under the current policy."""
+        world = self.world_size
+        micro = max(1, self.cfg.learner.mini_batch_size // world)
+        per_rank = split_for_ranks(batch, world, micro)
+        results = _gather([w.forward_old.remote(mbs) for w, mbs in zip(self.workers, per_rank)])
+        logp: list = [None] * len(batch)
+        ent: list = [None] * len(batch)
+        for rank, res in enumerate(results):
+            for i, (lp, en) in zip(range(rank, len(batch), world), res):  # padding rows come last and are dropped
+                logp[i], ent[i] = lp, en
+        batch.old_logprobs, batch.entropies = logp, ent
+
+    def update(self, batch: TrajectoryBatch, step: int) -> dict:
+        """PPO epochs over ``batch`` (old log-probs and advantages filled); returns the update's statistics.
+
+        Each epoch shuffles the rows (seeded by ``trainer.seed``, ``step`` and the epoch) into mini-batches of
+        ``learner.mini_batch_size``; each mini-batch's global loss denominator is fixed before any rank
+        computes a loss, and each rank gets one micro-batch of it."""
+        batch.require("old_logprobs", "advantage", "shaping")
+        lc, world = self.cfg.learner, self.world_size
+        agg = self.cfg.algo.loss_agg_mode
+        out: dict[str, float] = {}
+        for epoch in range(lc.ppo_epochs):
+            order = list(range(len(batch)))
+            random.Random(self.cfg.trainer.seed * 31 + step * 7 + epoch).shuffle(order)
+            minis = [batch.select(order[i : i + lc.mini_batch_size]) for i in range(0, len(order), lc.mini_batch_size)]
+            denoms = [aggregation_denominator(_loss_mask(mini), agg) for mini in minis]
+            if self.cfg.trainer.learner_feed == "streaming_split":
+                stats = self._update_streaming(minis, denoms)
+            else:
+                per_rank: list[list] = [[] for _ in range(world)]
+                for mini, denom in zip(minis, denoms):
+                    split = split_for_ranks(mini, world, micro=max(1, math.ceil(len(mini) / world)))
+                    for rank in range(world):
+                        per_rank[rank].append((split[rank], denom))
+                stats = _gather([w.update.remote(per_rank[r]) for r, w in enumerate(self.workers)])
+            for k in stats[0]:
+                out[k] = sum(s[k] for s in stats) / world if k != "loss_sum" else sum(s[k] for s in stats)
+        return out
+
+    def _update_streaming(self, minis: list[TrajectoryBatch], denoms: list[float]) -> list[dict]:
+        """One epoch's mini-batches as a Ray Data dataset (one block per micro-batch's worth of rows), read by
+        the ranks through ``streaming_split``; each row carries its mini-batch index."""
+        world = self.world_size
+        micro = max(1, math.ceil(self.cfg.learner.mini_batch_size / world))
+        flat = TrajectoryBatch.concat(minis)
+        mb_index = [k for k, mini in enumerate(minis) for _ in range(len(mini))]
+        blocks = [
+            flat.select(range(i, min(i + micro, len(flat)))).learner_table({"mb": mb_index[i : i + micro]})
+            for i in range(0, len(flat), micro)
+        ]
+        splits = ray.data.from_arrow(blocks).streaming_split(world, equal=False)  # equal=True would drop rows
+        stats = _gather([w.update_from_stream.remote(splits[r], denoms, micro) for r, w in enumerate(self.workers)])
+        if sum(s.pop("rows") for s in stats) != len(flat):
+            raise RuntimeError("streaming_split delivered a different number of rows than the step has")
+        return stats
+
+    def state_dict(self) -> dict:
+        """The full weights (HF names, CPU tensors), gathered on rank 0: every rank takes part, only rank 0's
+        copy comes back."""
+        refs = [w.full_state_dict.remote() for w in self.workers]
+        return _gather(refs)[0]
+
+    def save(self, path, tokenizer_dir) -> None:
+        """Rank 0 writes the HF model and the optimizer state into ``path`` (which must not exist yet)."""
+        _gather([w.save_checkpoint.remote(str(path), str(tokenizer_dir)) for w in self.workers])
+
+    def load(self, path) -> None:
+        _gather([w.load_checkpoint.remote(str(path)) for w in self.workers])
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """``graceful=False`` after a rank died: the survivors may be blocked in a collective, so they are
+        killed without asking."""
+        from ray.util.placement_group import remove_placement_group
+
+        for w in self.workers:
+            if graceful:
+                try:
+                    ray.get(w.shutdown.remote(), timeout=30)
+                except Exception:
+                    pass
+            ray.kill(w)
+        remove_placement_group(self.pg)
+
+
+def _loss_mask(batch: TrajectoryBatch) -> torch.Tensor:
+    """[B, max L_i] response loss mask, zero-padded."""
+    mask = torch.zeros(len(batch), max(len(t.loss_mask) for t in batch))
+    for i, t in enumerate(batch):
+        mask[i, : len(t.loss_mask)] = torch.tensor(t.loss_mask, dtype=torch.float32)
+    return mask

@@ -54,7 +54,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
         bos_token=protocol.BOS,
         eos_token=protocol.EOS,
         pad_token=protocol.PAD,
-        additional_special_tokens=[t for t in protocol.SPECIAL_TOKENS if t not in (protocol.BOS, protocol.EOS, protocol.PAD)],
+        additional_special_tokens=[
+            t for t in protocol.SPECIAL_TOKENS if t not in (protocol.BOS, protocol.EOS, protocol.PAD)
+        ],
     )
 
 
@@ -100,6 +102,11 @@ def build_model(model_cfg, vocab_size: int, bos_id: int, eos_id: int, pad_id: in
     )
     model = Qwen2ForCausalLM(config)
     return model.to(_DTYPES[model_cfg.dtype]).eval()
+
+
+def load_model_and_tokenizer(path: str | Path, dtype: str = "float32"):
+    """(model, tokenizer) of an HF folder: the loader ``rapo_ray.engines.make_engine`` takes."""
+    return load_model(path, dtype), load_tokenizer(path)
 
 
 def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu"):
@@ -172,9 +179,17 @@ def bundled_model_dir(cfg) -> Path:
     """Where the bundled base model for this config lives: keyed by the settings that shape it."""
     key = json.dumps(
         {
-            "m": [cfg.model.hidden_size, cfg.model.num_layers, cfg.model.num_heads, cfg.model.num_kv_heads,
-                  cfg.model.intermediate_size, cfg.model.max_position_embeddings, cfg.model.tie_word_embeddings,
-                  cfg.model.dtype, cfg.model.seed],
+            "m": [
+                cfg.model.hidden_size,
+                cfg.model.num_layers,
+                cfg.model.num_heads,
+                cfg.model.num_kv_heads,
+                cfg.model.intermediate_size,
+                cfg.model.max_position_embeddings,
+                cfg.model.tie_word_embeddings,
+                cfg.model.dtype,
+                cfg.model.seed,
+            ],
             "t": [cfg.tokenizer.vocab_size, sorted(cfg.tasks.families), cfg.tasks.seed, TOKENIZER_CORPUS_VERSION],
         }
     )
@@ -214,9 +229,16 @@ def resolve_checkpoint(path: str | Path) -> Path:
             raise ModelLoadError(f"checkpoint {p} is incomplete (no COMPLETE marker: the run stopped while writing it)")
         return p
     runs = [p] if (p / "checkpoints").is_dir() else [d for d in p.iterdir() if (d / "checkpoints").is_dir()]
-    done = [c for r in runs for c in (r / "checkpoints").glob("step-*") if (c / "COMPLETE").is_file() and (c / "config.json").is_file()]
+    done = [
+        c
+        for r in runs
+        for c in (r / "checkpoints").glob("step-*")
+        if (c / "COMPLETE").is_file() and (c / "config.json").is_file()
+    ]
     if not done:
-        raise ModelLoadError(f"checkpoint {p}: not an HF model folder, and no complete checkpoint (checkpoints/step-*/COMPLETE) under it")
+        raise ModelLoadError(
+            f"checkpoint {p}: not an HF model folder, and no complete checkpoint (checkpoints/step-*/COMPLETE) under it"
+        )
     return max(done, key=lambda c: ((c / "COMPLETE").stat().st_mtime, c.name))
 
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import ray
 
+from rapo_ray.batch import TrajectoryBatch
+
 
 class RolloutWorker:
     def __init__(self, worker_id: int, model_dir: str, cfg_dict: dict, retrieval_app: str | None = None):
@@ -22,15 +24,23 @@ class RolloutWorker:
         from rapo_ray.config import from_dict
         from rapo_ray.engines import make_engine
         from rapo_ray.envs.suite import build_tools
-        from rapo_ray.model import context_length, load_tokenizer, set_torch_threads
+        from rapo_ray.model import context_length, load_model_and_tokenizer, load_tokenizer, set_torch_threads
+        from rapo_ray.retrieval.search_index import search_index_for
 
         self.cfg = cfg = from_dict(cfg_dict)
         set_torch_threads(cfg.rollout.threads_per_worker)
         self.worker_id = worker_id
         self.tok = load_tokenizer(model_dir)
         max_context = context_length(model_dir)  # the checkpoint's own window (a real model's, not the bundled default)
-        self.engine = make_engine(cfg.rollout, model_dir, dtype=cfg.model.dtype, max_model_len=max_context, seed=cfg.trainer.seed + worker_id)
-        self.tools = build_tools(cfg.tasks, cfg.rollout)
+        self.engine = make_engine(
+            cfg.rollout,
+            model_dir,
+            load_model_and_tokenizer,
+            dtype=cfg.model.dtype,
+            max_model_len=max_context,
+            seed=cfg.trainer.seed + worker_id,
+        )
+        self.tools = build_tools(cfg.tasks, cfg.rollout, search_index_for(cfg.tasks))
         retriever = None
         if retrieval_app:
             from ray import serve
@@ -38,8 +48,13 @@ class RolloutWorker:
             from rapo_ray.retrieval.service import HandleStepRetriever
 
             handle = serve.get_deployment_handle("StepRetriever", app_name=retrieval_app)
-            retriever = HandleStepRetriever(handle, cfg.retrieval.noise_prob, cfg.retrieval.question_scope,
-                                            seed=cfg.trainer.seed + 1000 + worker_id, max_chars=cfg.retrieval.query_max_chars)
+            retriever = HandleStepRetriever(
+                handle,
+                cfg.retrieval.noise_prob,
+                cfg.retrieval.question_scope,
+                seed=cfg.trainer.seed + 1000 + worker_id,
+                max_chars=cfg.retrieval.query_max_chars,
+            )
         self.train_settings = LoopSettings.from_config(cfg)
         self.eval_settings = LoopSettings.from_config(cfg, evaluation=True)
         self.train_settings.max_context = self.eval_settings.max_context = max_context
@@ -48,20 +63,32 @@ class RolloutWorker:
         self._collective: str | None = None
 
     def ready(self) -> dict:
-        return {"worker_id": self.worker_id, "engine": self.engine.name, "version": self.engine.version,
-                "node_id": ray.get_runtime_context().get_node_id()}
+        return {
+            "worker_id": self.worker_id,
+            "engine": self.engine.name,
+            "version": self.engine.version,
+            "node_id": ray.get_runtime_context().get_node_id(),
+        }
 
     def rollout(self, groups: list[tuple], group_size: int, n_hybrid: int, seed: int, evaluation: bool = False) -> dict:
-        """``groups``: (group_id, Task) pairs. Returns trajectory rows and timing stats."""
+        """``groups``: (group_id, Task) pairs. Returns the trajectories as a ``TrajectoryBatch`` and timing stats."""
         import copy
 
         settings = copy.copy(self.eval_settings if evaluation else self.train_settings)
         settings.seed = seed
-        loop = self.loop_cls(self.engine, self.tok, self.tools, settings, retriever=None if evaluation else self.retriever)
+        loop = self.loop_cls(
+            self.engine, self.tok, self.tools, settings, retriever=None if evaluation else self.retriever
+        )
         t0 = time.perf_counter()
         trajs, stats = loop.run_groups([t for _, t in groups], group_size, n_hybrid, group_ids=[g for g, _ in groups])
-        return {"rows": [t.to_row() for t in trajs], "worker_id": self.worker_id, "wall_s": time.perf_counter() - t0,
-                "generate_s": stats.generate_s, "tool_s": stats.tool_s, "retrieve_s": stats.retrieve_s}
+        return {
+            "batch": TrajectoryBatch(trajs),
+            "worker_id": self.worker_id,
+            "wall_s": time.perf_counter() - t0,
+            "generate_s": stats.generate_s,
+            "tool_s": stats.tool_s,
+            "retrieve_s": stats.retrieve_s,
+        }
 
     # ------------------------------------------------------------ weights
 
@@ -76,7 +103,9 @@ class RolloutWorker:
         self._collective = name
         return True
 
-    def receive_broadcast(self, spec: list[tuple[str, list[int], str]], bucket_numels: list[int], version: int, name: str) -> int:
+    def receive_broadcast(
+        self, spec: list[tuple[str, list[int], str]], bucket_numels: list[int], version: int, name: str
+    ) -> int:
         """Receive bucketed flat tensors from rank 0 of collective ``name`` and load them into the engine."""
         from rapo_ray.sync import receive_buckets
 
@@ -112,8 +141,13 @@ class RolloutFleet:
 
         self.cfg_dict = to_dict(cfg)
         rc = cfg.resources
-        self.actor_cls = ray.remote(num_cpus=rc.cpus_per_rollout_worker, num_gpus=rc.gpus_per_rollout_worker,
-                                    resources=dict(rc.rollout_custom_resources) or None, max_restarts=0, max_concurrency=1)(RolloutWorker)
+        self.actor_cls = ray.remote(
+            num_cpus=rc.cpus_per_rollout_worker,
+            num_gpus=rc.gpus_per_rollout_worker,
+            resources=dict(rc.rollout_custom_resources) or None,
+            max_restarts=0,
+            max_concurrency=1,
+        )(RolloutWorker)
         self.workers: dict[int, ray.actor.ActorHandle] = {}
         self._next_id = 0
         self.events: list[FleetEvent] = []
@@ -133,9 +167,11 @@ class RolloutFleet:
         try:
             ray.get([self.workers[w].ready.remote() for w in ids], timeout=self.start_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise RuntimeError(f"{len(ids)} rollout worker(s) did not start within {self.start_timeout_s:.0f} s: the cluster cannot "
-                               f"place actors needing {self.cfg.resources.cpus_per_rollout_worker:g} CPU / "
-                               f"{self.cfg.resources.gpus_per_rollout_worker:g} GPU each") from None
+            raise RuntimeError(
+                f"{len(ids)} rollout worker(s) did not start within {self.start_timeout_s:.0f} s: the cluster cannot "
+                f"place actors needing {self.cfg.resources.cpus_per_rollout_worker:g} CPU / "
+                f"{self.cfg.resources.gpus_per_rollout_worker:g} GPU each"
+            ) from None
         if self.weights_source is not None:  # a new worker gets the current weights before it takes work
             sd, version = self.weights_source()
             if sd is not None:
@@ -150,7 +186,7 @@ class RolloutFleet:
             ids = self._start(n - cur)
             self.events.append(FleetEvent(time.time(), "scale_up" if cur else "start", f"+{len(ids)} -> {n}"))
         elif n < cur:
-            for wid in sorted(self.workers)[n - cur:]:
+            for wid in sorted(self.workers)[n - cur :]:
                 w = self.workers.pop(wid)
                 try:
                     ray.get(w.close.remote(), timeout=30)
@@ -167,12 +203,13 @@ class RolloutFleet:
 
     # ------------------------------------------------------------ work
 
-    def run_step(self, groups: list[tuple], group_size: int, n_hybrid: int, seed: int, evaluation: bool = False,
-                 on_dispatch=None) -> tuple[list[dict], dict]:
+    def run_step(
+        self, groups: list[tuple], group_size: int, n_hybrid: int, seed: int, evaluation: bool = False, on_dispatch=None
+    ) -> tuple[TrajectoryBatch, dict]:
         """Roll out every group once. A dead worker's unfinished groups go back to the queue and the worker
-        is replaced. Returns rows ordered by (group, slot) and per-step stats."""
+        is replaced. Returns the step's batch, ordered by (group, slot), and per-step stats."""
         queue = list(groups)
-        done: dict[str, list[dict]] = {}
+        done: dict[str, TrajectoryBatch] = {}
         inflight: dict[ray.ObjectRef, tuple[int, list[tuple]]] = {}
         stats = {"generate_s": 0.0, "tool_s": 0.0, "retrieve_s": 0.0, "requeued_groups": 0, "replaced_workers": 0}
         chunk = max(1, math.ceil(len(groups) / max(len(self.workers), 1)))
@@ -192,31 +229,38 @@ class RolloutFleet:
             wid, take = inflight.pop(ref)
             try:
                 res = ray.get(ref)
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError, ray.exceptions.WorkerCrashedError) as exc:
+            except (
+                ray.exceptions.RayActorError,
+                ray.exceptions.ActorDiedError,
+                ray.exceptions.WorkerCrashedError,
+            ) as exc:
                 queue = list(take) + queue
                 stats["requeued_groups"] += len(take)
                 self.workers.pop(wid, None)
-                self.events.append(FleetEvent(time.time(), "requeued", f"worker {wid} died ({type(exc).__name__}); {len(take)} groups re-queued"))
+                self.events.append(
+                    FleetEvent(
+                        time.time(),
+                        "requeued",
+                        f"worker {wid} died ({type(exc).__name__}); {len(take)} groups re-queued",
+                    )
+                )
                 self._start(1)
                 stats["replaced_workers"] += 1
                 self.events.append(FleetEvent(time.time(), "replaced", f"worker {wid} replaced"))
                 continue
-            by_group: dict[str, list[dict]] = {}
-            for row in res["rows"]:
-                by_group.setdefault(row["group_id"], []).append(row)
-            for gid, rows in by_group.items():
-                done.setdefault(gid, rows)  # first result wins; a duplicate can never be added twice
+            chunk_batch: TrajectoryBatch = res["batch"]
+            by_group: dict[str, list[int]] = {}
+            for i, gid in enumerate(chunk_batch.group_ids()):
+                by_group.setdefault(gid, []).append(i)
+            for gid, idx in by_group.items():
+                idx.sort(key=lambda i: chunk_batch.trajectories[i].slot)
+                done.setdefault(gid, chunk_batch.select(idx))  # first result wins; a duplicate can never be added twice
             for k in ("generate_s", "tool_s", "retrieve_s"):
                 stats[k] += res[k]
         missing = [g for g, _ in groups if g not in done]
         if missing:
             raise RuntimeError(f"rollout lost groups {missing[:5]}")
-        rows = [r for g, _ in groups for r in sorted(done[g], key=lambda r: r["slot"])]
-        return rows, stats
-
-    def broadcast_object_store(self, state_dict: dict, version: int) -> None:
-        ref = ray.put(state_dict)
-        ray.get([w.load_state_dict.remote(ref, version) for w in self.workers.values()])
+        return TrajectoryBatch.concat([done[g] for g, _ in groups]), stats
 
     def handles(self) -> list:
         return [self.workers[w] for w in sorted(self.workers)]

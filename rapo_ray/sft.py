@@ -20,20 +20,36 @@ from pathlib import Path
 import torch
 
 from rapo_ray.agent.loop import AgentLoop, LoopSettings
-from rapo_ray.agent.retriever import InMemoryStepRetriever, StoredStep
+from rapo_ray.agent.retriever import InMemoryStepRetriever, steps_of
 from rapo_ray.agent.trajectory import Trajectory
-from rapo_ray.algos.entropy import GENERATED
-from rapo_ray.envs.expert import ScriptedExpertEngine
+from rapo_ray.engines.expert import ScriptedExpertEngine
 from rapo_ray.envs.suite import build_tools, task_splits
 from rapo_ray.model import load_model, load_tokenizer, resolve_model_dir, save_model
+from rapo_ray.retrieval.search_index import search_index_for
 
 
-def expert_trajectories(cfg, tokenizer, tools, tasks, hybrid_fraction: float = 0.0, retriever=None, seed: int = 0, error_rate: float = 0.0, samples: int = 1) -> list[Trajectory]:
+def expert_trajectories(
+    cfg,
+    tokenizer,
+    tools,
+    tasks,
+    hybrid_fraction: float = 0.0,
+    retriever=None,
+    seed: int = 0,
+    error_rate: float = 0.0,
+    samples: int = 1,
+) -> list[Trajectory]:
     """Expert rollouts through the real loop; with ``hybrid_fraction`` > 0 and a retriever, that share of
     them run as hybrid slots (retrieved blocks inserted, the expert continuing on its own)."""
     settings = LoopSettings.from_config(cfg, evaluation=True)
     settings.retrieve_prob, settings.seed = 0.5, seed
-    loop = AgentLoop(ScriptedExpertEngine(tokenizer, error_rate=error_rate, seed=seed), tokenizer, tools, settings, retriever=retriever)
+    loop = AgentLoop(
+        ScriptedExpertEngine(tokenizer, error_rate=error_rate, seed=seed),
+        tokenizer,
+        tools,
+        settings,
+        retriever=retriever,
+    )
     rng = random.Random(seed)
     hybrid = [t for t in tasks if rng.random() < hybrid_fraction] if retriever is not None else []
     hybrid_ids = {t.id for t in hybrid}
@@ -46,38 +62,6 @@ def expert_trajectories(cfg, tokenizer, tools, tasks, hybrid_fraction: float = 0
     return out
 
 
-def steps_of(tokenizer, traj: Trajectory, source: str = "expert") -> list[StoredStep]:
-    """Split a trajectory into (key = history before the step, value = the step) pairs; answer steps and
-    retrieved blocks are excluded (spec §8.3)."""
-    out, history_ids, step_ids = [], [], []
-    segs = traj.segments
-    for k, (kind, s, e) in enumerate(segs):
-        ids = traj.response_ids[s:e]
-        if kind == GENERATED:
-            step_ids = list(ids)
-            next_is_result = k + 1 < len(segs) and segs[k + 1][0] == "tool_result"
-            if not next_is_result:  # an answer step or a truncated one: not stored
-                history_ids += ids
-                continue
-            rs, re_ = segs[k + 1][1], segs[k + 1][2]
-            value_ids = step_ids + traj.response_ids[rs:re_]
-            key = traj.question + tokenizer.decode(history_ids, skip_special_tokens=False)
-            out.append(StoredStep(key=key, value=tokenizer.decode(value_ids, skip_special_tokens=False), value_ids=value_ids,
-                                  reward=traj.reward, question_id=traj.problem_id, step_index=len(out), source=source))
-        if kind != "retrieved":
-            history_ids += ids
-    return out
-
-
-def steps_of_row(tokenizer, row: dict, source: str = "on_policy") -> list[StoredStep]:
-    """``steps_of`` for a trajectory row (``Trajectory.to_row``), as the trainer holds them."""
-    traj = Trajectory(group_id=row["group_id"], slot=row["slot"], slot_kind=row["slot_kind"], problem_id=row["problem_id"],
-                      task_kind=row["task_kind"], answers=tuple(row["answers"]), prompt_ids=list(row["prompt_ids"]),
-                      question=row["question"], response_ids=list(row["response_ids"]),
-                      segments=[(g["kind"], g["start"], g["end"]) for g in row["segments"]], reward=row["reward"])
-    return steps_of(tokenizer, traj, source)
-
-
 def _batches(examples, batch_size, rng):
     idx = list(range(len(examples)))
     while True:
@@ -86,12 +70,22 @@ def _batches(examples, batch_size, rng):
             yield [examples[j] for j in idx[i : i + batch_size]]
 
 
-def train_sft(model, examples: list[tuple[list[int], list[int]]], steps: int, lr: float = 2e-3, batch_size: int = 16, seed: int = 0, log=print) -> list[float]:
+def train_sft(
+    model,
+    examples: list[tuple[list[int], list[int]]],
+    steps: int,
+    lr: float = 2e-3,
+    batch_size: int = 16,
+    seed: int = 0,
+    log=print,
+) -> list[float]:
     """Next-token loss on positions whose mask is 1. ``examples``: (token ids, loss mask) pairs."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+    )
     model.train()
     # The warm start runs before any actor exists: use every core for it.
     threads = torch.get_num_threads()
@@ -112,7 +106,9 @@ def train_sft(model, examples: list[tuple[list[int], list[int]]], steps: int, lr
             attn[i, : len(x)] = 1
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
         target, tmask = ids[:, 1:], mask[:, 1:]
-        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none").view_as(tmask)
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none"
+        ).view_as(tmask)
         loss = (nll * tmask).sum() / tmask.sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -149,8 +145,23 @@ def sft_span(cfg) -> int:
 
 def warm_start_dir(cfg) -> Path:
     t = cfg.trainer
-    key = json.dumps([str(resolve_model_dir(cfg)), t.sft_examples, t.sft_hard_examples, t.sft_steps, t.sft_lr, t.sft_batch_size, t.sft_hybrid_fraction, *([t.sft_retrieval_scope] if t.sft_retrieval_scope != "other" else []),
-                      sorted(cfg.tasks.families), cfg.tasks.seed, cfg.tasks.system_prompt, t.sft_seed, cfg.rollout.max_response_tokens])
+    key = json.dumps(
+        [
+            str(resolve_model_dir(cfg)),
+            t.sft_examples,
+            t.sft_hard_examples,
+            t.sft_steps,
+            t.sft_lr,
+            t.sft_batch_size,
+            t.sft_hybrid_fraction,
+            *([t.sft_retrieval_scope] if t.sft_retrieval_scope != "other" else []),
+            sorted(cfg.tasks.families),
+            cfg.tasks.seed,
+            cfg.tasks.system_prompt,
+            t.sft_seed,
+            cfg.rollout.max_response_tokens,
+        ]
+    )
     return Path(cfg.run.artifacts_dir) / f"warm-start-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
 
 
@@ -163,7 +174,7 @@ def warm_start(cfg, log=print, force: bool = False) -> Path:
     tok = load_tokenizer(base)
     model = load_model(base)
     train, _ = task_splits(cfg.tasks)
-    tools = build_tools(cfg.tasks, cfg.rollout)
+    tools = build_tools(cfg.tasks, cfg.rollout, search_index_for(cfg.tasks))
     try:
         demos_tasks, pool_tasks = {}, {}
         for fam, tasks in train.items():
@@ -173,14 +184,33 @@ def warm_start(cfg, log=print, force: bool = False) -> Path:
         demo_list = [t for ts in demos_tasks.values() for t in ts]
         scope = cfg.trainer.sft_retrieval_scope
         pool = [t for ts in pool_tasks.values() for t in ts] if scope == "other" else demo_list
-        pool_steps = [s for tr in expert_trajectories(cfg, tok, tools, pool, seed=cfg.trainer.sft_seed) for s in steps_of(tok, tr)]
+        pool_steps = [
+            s for tr in expert_trajectories(cfg, tok, tools, pool, seed=cfg.trainer.sft_seed) for s in steps_of(tok, tr)
+        ]
         retriever = InMemoryStepRetriever(pool_steps, question_scope=scope)
-        demos = expert_trajectories(cfg, tok, tools, demo_list,
-                                    hybrid_fraction=cfg.trainer.sft_hybrid_fraction, retriever=retriever, seed=cfg.trainer.sft_seed)
+        demos = expert_trajectories(
+            cfg,
+            tok,
+            tools,
+            demo_list,
+            hybrid_fraction=cfg.trainer.sft_hybrid_fraction,
+            retriever=retriever,
+            seed=cfg.trainer.sft_seed,
+        )
         examples = sft_examples(demos)
-        log(f"warm start: {len(examples)} expert demonstrations ({sum(1 for d in demos if d.num_retrievals)} with retrieved blocks), "
-            f"{cfg.trainer.sft_steps} steps")
-        train_sft(model, examples, cfg.trainer.sft_steps, lr=cfg.trainer.sft_lr, batch_size=cfg.trainer.sft_batch_size, seed=cfg.trainer.sft_seed, log=log)
+        log(
+            f"warm start: {len(examples)} expert demonstrations ({sum(1 for d in demos if d.num_retrievals)} with retrieved blocks), "
+            f"{cfg.trainer.sft_steps} steps"
+        )
+        train_sft(
+            model,
+            examples,
+            cfg.trainer.sft_steps,
+            lr=cfg.trainer.sft_lr,
+            batch_size=cfg.trainer.sft_batch_size,
+            seed=cfg.trainer.sft_seed,
+            log=log,
+        )
         save_model(model, tok, out)
     finally:
         tools.close()

@@ -60,7 +60,7 @@ def receive_buckets(spec, bucket_numels: list[int], group_name: str) -> dict:
     out, off = {}, 0
     for name, shape, dtype in spec:
         n = math.prod(shape) if shape else 1
-        out[name] = flat[off:off + n].view(shape).to(getattr(torch, dtype))
+        out[name] = flat[off : off + n].view(shape).to(getattr(torch, dtype))
         off += n
     return out
 
@@ -115,7 +115,10 @@ class WeightSync:
             self.generation += 1
             name = f"{self.prefix}_{self.generation}"
             world = len(workers) + 1
-            ray.get([self.hub.join.remote(world, name)] + [w.join_collective.remote(world, i + 1, name) for i, w in enumerate(workers)])
+            ray.get(
+                [self.hub.join.remote(world, name)]
+                + [w.join_collective.remote(world, i + 1, name) for i, w in enumerate(workers)]
+            )
             self.members = key
         return name
 

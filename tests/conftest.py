@@ -18,22 +18,11 @@ torch.set_num_threads(1)
 
 
 def tiny_config(tmp_dir, *overrides):
-    from rapo_ray.config import load_config
+    from rapo_ray.config import TINY_OVERRIDES, load_config
 
     base = [
         f"run.artifacts_dir={tmp_dir}",
-        "model.hidden_size=64",
-        "model.num_layers=2",
-        "model.num_heads=2",
-        "model.num_kv_heads=1",
-        "model.intermediate_size=128",
-        "model.max_position_embeddings=512",
-        "tokenizer.vocab_size=512",
-        "tasks.train_size=300",
-        "trainer.sft_examples=40",
-        "trainer.sft_hard_examples=5",
-        "trainer.rl_questions=20",
-        "tasks.test_size=50",
+        *TINY_OVERRIDES,
         "rollout.max_response_tokens=192",
     ]
     return load_config(overrides=base + list(overrides))
@@ -69,8 +58,13 @@ def tiny_tokenizer(tiny_model_dir):
     return load_tokenizer(tiny_model_dir)
 
 
-LOCAL_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-             "GLOO_SOCKET_IFNAME": "lo", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+LOCAL_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "GLOO_SOCKET_IFNAME": "lo",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+}
 
 
 @pytest.fixture(scope="session")
@@ -81,9 +75,15 @@ def ray_session():
 
     if not ray.is_initialized():
         # address='local': a Ray started elsewhere on this machine (ray start, a cluster simulation) is not joined
-        ray.init(address="local", num_cpus=6, object_store_memory=384 * 1024 * 1024, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 runtime_env={"env_vars": LOCAL_ENV},
-                 log_to_driver=False)
+        ray.init(
+            address="local",
+            num_cpus=6,
+            object_store_memory=384 * 1024 * 1024,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            runtime_env={"env_vars": LOCAL_ENV},
+            log_to_driver=False,
+        )
     yield ray
     ray.shutdown()
 

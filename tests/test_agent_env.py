@@ -8,17 +8,18 @@ from pathlib import Path
 import pytest
 
 from rapo_ray.agent import protocol
-from rapo_ray.agent.loop import AgentLoop, LoopSettings, Task
-from rapo_ray.agent.retriever import InMemoryStepRetriever, StoredStep
+from rapo_ray.agent.loop import AgentLoop, LoopSettings
+from rapo_ray.agent.retriever import InMemoryStepRetriever, StoredStep, steps_of
+from rapo_ray.agent.trajectory import Task
 from rapo_ray.algos.entropy import GENERATED, RETRIEVED, TOOL_RESULT
 from rapo_ray.engines.base import GenerationResult, InferenceEngine
+from rapo_ray.engines.expert import ScriptedExpertEngine
 from rapo_ray.envs import tasks as bundled
-from rapo_ray.envs.expert import ScriptedExpertEngine
 from rapo_ray.envs.loaders import DataError, gsm8k_to_trajectory_text, load_examples
 from rapo_ray.envs.rewards import format_ok, math_equal, score, token_f1
 from rapo_ray.envs.suite import build_tools, task_difficulty, task_splits
 from rapo_ray.envs.tools import LexicalIndex, PythonSandbox, SandboxLimits
-from rapo_ray.sft import steps_of
+from rapo_ray.retrieval.search_index import search_index_for
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data not present")
@@ -26,14 +27,20 @@ needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data no
 
 @pytest.fixture(scope="module")
 def tools(tiny_cfg):
-    ts = build_tools(tiny_cfg.tasks, tiny_cfg.rollout)
+    ts = build_tools(tiny_cfg.tasks, tiny_cfg.rollout, search_index_for(tiny_cfg.tasks))
     yield ts
     ts.close()
 
 
 def settings(**kw):
-    s = LoopSettings(temperature=0.0, max_response_tokens=400, max_step_tokens=64, max_tool_calls=3, seed=0,
-                     system_prompt=protocol.SHORT_SYSTEM_PROMPT)
+    s = LoopSettings(
+        temperature=0.0,
+        max_response_tokens=400,
+        max_step_tokens=64,
+        max_tool_calls=3,
+        seed=0,
+        system_prompt=protocol.SHORT_SYSTEM_PROMPT,
+    )
     for k, v in kw.items():
         setattr(s, k, v)
     return s
@@ -70,19 +77,30 @@ def test_expert_solves_every_family_through_real_tools(tiny_cfg, tiny_tokenizer,
 def test_expert_continues_from_a_retrieved_step_that_is_its_next_one():
     q = "Ben has 756 pens. Ben buys 9 boxes of 51 pens. Ben finds 108 more pens. Ben finds 508 more pens. How many pens does Ben have now?"
     expert = ScriptedExpertEngine(None)
-    step = lambda response: expert.next_step(f"{protocol.USER}{q}{protocol.ASSISTANT}{response}")
+
+    def step(response):
+        return expert.next_step(f"{protocol.USER}{q}{protocol.ASSISTANT}{response}")
+
     own = "<think>compute 756 + 9 * 51</think><python>print(756 + 9 * 51)</python><result>1215</result>"
-    fits = "<retrieve><think>compute 1215 + 108</think><python>print(1215 + 108)</python><result>1323</result></retrieve>"
+    fits = (
+        "<retrieve><think>compute 1215 + 108</think><python>print(1215 + 108)</python><result>1323</result></retrieve>"
+    )
     other = "<retrieve><think>compute 99 + 108</think><python>print(99 + 108)</python><result>207</result></retrieve>"
-    last = "<retrieve><think>compute 1323 + 508</think><python>print(1323 + 508)</python><result>1831</result></retrieve>"
-    assert "print(1215 + 108)" in step(own) and "print(1215 + 108)" in step(own + other)  # another question's step: ignored
+    last = (
+        "<retrieve><think>compute 1323 + 508</think><python>print(1323 + 508)</python><result>1831</result></retrieve>"
+    )
+    assert "print(1215 + 108)" in step(own) and "print(1215 + 108)" in step(
+        own + other
+    )  # another question's step: ignored
     assert "print(1323 + 508)" in step(own + fits)  # its own next step, retrieved: built upon
     assert step(own + fits + last).endswith("<answer>\\boxed{1831}</answer>")
     assert "print(756 + 9 * 51)" in step(fits)  # a later step before the first one does not fit
     mq = "Who is the sibling of the rival of the neighbor of Jopado?"
     m1 = "<think>x</think><search>neighbor of Jopado</search><result>The neighbor of Jopado is Vesire.</result>"
     mr = "<retrieve><think>x</think><search>rival of Vesire</search><result>The rival of Vesire is Kalo.</result></retrieve>"
-    assert expert.next_step(f"{protocol.USER}{mq}{protocol.ASSISTANT}{m1}{mr}").endswith("<search>sibling of Kalo</search>")
+    assert expert.next_step(f"{protocol.USER}{mq}{protocol.ASSISTANT}{m1}{mr}").endswith(
+        "<search>sibling of Kalo</search>"
+    )
 
 
 def test_warm_start_hybrid_demos_with_own_question_steps(tiny_cfg, tiny_tokenizer, tools):
@@ -92,9 +110,18 @@ def test_warm_start_hybrid_demos_with_own_question_steps(tiny_cfg, tiny_tokenize
 
     _, test = task_splits(tiny_cfg.tasks)
     tasks_ = test["arith"][:6] + test["multihop"][:6]
-    steps = [st for tr in expert_trajectories(tiny_cfg, tiny_tokenizer, tools, tasks_) for st in steps_of(tiny_tokenizer, tr)]
-    demos = expert_trajectories(tiny_cfg, tiny_tokenizer, tools, tasks_, hybrid_fraction=1.0,
-                                retriever=InMemoryStepRetriever(steps, question_scope="own"), seed=1)
+    steps = [
+        st for tr in expert_trajectories(tiny_cfg, tiny_tokenizer, tools, tasks_) for st in steps_of(tiny_tokenizer, tr)
+    ]
+    demos = expert_trajectories(
+        tiny_cfg,
+        tiny_tokenizer,
+        tools,
+        tasks_,
+        hybrid_fraction=1.0,
+        retriever=InMemoryStepRetriever(steps, question_scope="own"),
+        seed=1,
+    )
     with_blocks = [d for d in demos if d.num_retrievals]
     assert all(d.correct for d in demos) and len(with_blocks) >= 4
     assert all(r.source_id == d.problem_id for d in with_blocks for r in d.retrievals)
@@ -129,11 +156,21 @@ def test_lexical_search_is_the_same_in_every_process(tiny_cfg):
     import subprocess
     import sys
 
-    code = ("from rapo_ray.envs import tasks as b\nfrom rapo_ray.envs.tools import LexicalIndex\n"
-            f"idx = LexicalIndex(b.make_world({tiny_cfg.tasks.seed}).documents())\n"
-            "print([d for d, _ in idx.search('rival of neighbor of Losi', 3)])\n")
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in range(6)}
+    code = (
+        "from rapo_ray.envs import tasks as b\nfrom rapo_ray.envs.tools import LexicalIndex\n"
+        f"idx = LexicalIndex(b.make_world({tiny_cfg.tasks.seed}).documents())\n"
+        "print([d for d, _ in idx.search('rival of neighbor of Losi', 3)])\n"
+    )
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+        ).stdout
+        for seed in range(6)
+    }
     assert len(outs) == 1, outs
 
 
@@ -170,7 +207,9 @@ def test_sandbox_contains_hostile_programs(mode):
 def test_sandbox_private_dir_and_errors(mode):
     sb = PythonSandbox(max_concurrency=1, mode=mode)
     assert sb.run("open('a.txt','w').write('hi')\nprint(open('a.txt').read())").text == "hi"
-    assert sb.run("print(open('a.txt').read())").text.startswith("Error: FileNotFoundError")  # a fresh directory per call
+    assert sb.run("print(open('a.txt').read())").text.startswith(
+        "Error: FileNotFoundError"
+    )  # a fresh directory per call
     assert sb.run("x = 5").text == "" and "NameError" in sb.run("print(x)").text  # no state carried between calls
     assert sb.run("   ").text == "Error: empty code"
     assert "ZeroDivisionError" in sb.run("1/0").text
@@ -255,7 +294,9 @@ def test_loaders_normalise_every_shared_file():
 
 def test_loader_errors_name_file_row_field(tmp_path):
     f = tmp_path / "bad.jsonl"
-    f.write_text('{"question": "q1", "answer": "a"}\n{"problem": "q2"}\n{not json\n{"Question": "q4", "answer": ["x", "y"]}\n')
+    f.write_text(
+        '{"question": "q1", "answer": "a"}\n{"problem": "q2"}\n{not json\n{"Question": "q4", "answer": ["x", "y"]}\n'
+    )
     with pytest.raises(DataError, match=r"bad.jsonl: row 1: no answer field"):
         load_examples(f)
     ex, rep = load_examples(f, skip_bad_rows=True)
@@ -286,7 +327,7 @@ class ScriptEngine(InferenceEngine):
 
     def generate(self, prompts, params):
         out = []
-        for p, sp in zip(prompts, self._per_prompt(params, len(prompts))):
+        for _p, sp in zip(prompts, self._per_prompt(params, len(prompts))):
             n = self.calls.get("n", 0)
             self.calls["n"] = n + 1
             text = self.steps[n] if n < len(self.steps) else protocol.EOS
@@ -296,12 +337,15 @@ class ScriptEngine(InferenceEngine):
         return out
 
 
-@pytest.mark.parametrize("step, expected", [
-    ("<think>a</think><python></python>", "Error: empty code"),
-    ("<think>a</think>print(1)</python>", "Error: </python> without <python>"),
-    ("<think>a</think><search>x print(1)</python>", "Error: </python> closes <search> (mismatched tags)"),
-    ("<think>a</think><search>a<python>b</search>", "Error: nested tag <python> inside <search>"),
-])
+@pytest.mark.parametrize(
+    "step, expected",
+    [
+        ("<think>a</think><python></python>", "Error: empty code"),
+        ("<think>a</think>print(1)</python>", "Error: </python> without <python>"),
+        ("<think>a</think><search>x print(1)</python>", "Error: </python> closes <search> (mismatched tags)"),
+        ("<think>a</think><search>a<python>b</search>", "Error: nested tag <python> inside <search>"),
+    ],
+)
 def test_malformed_calls_become_error_results(tiny_tokenizer, tools, step, expected):
     eng = ScriptEngine(tiny_tokenizer, [step, "<think>b</think><answer>\\boxed{1}</answer>"])
     loop = AgentLoop(eng, tiny_tokenizer, tools, settings())
@@ -324,7 +368,9 @@ def test_tool_call_limit_and_budget(tiny_tokenizer, tools):
     loop = AgentLoop(ScriptEngine(tiny_tokenizer, steps), tiny_tokenizer, tools, settings(max_tool_calls=2))
     (t,), _ = loop.run_groups([Task("q", "Who?", ("1",))], 1)
     assert t.tool_calls == 2 and t.finish_reason == "tool_limit"
-    loop = AgentLoop(ScriptEngine(tiny_tokenizer, steps), tiny_tokenizer, tools, settings(max_tool_calls=9, max_response_tokens=40))
+    loop = AgentLoop(
+        ScriptEngine(tiny_tokenizer, steps), tiny_tokenizer, tools, settings(max_tool_calls=9, max_response_tokens=40)
+    )
     (t,), _ = loop.run_groups([Task("q", "Who?", ("1",))], 1)
     assert len(t.response_ids) <= 40 and t.finish_reason == "length"
 
@@ -343,9 +389,17 @@ def test_token_in_token_out(tiny_tokenizer, tools):
 
 
 def _store(tok, n=5):
-    return [StoredStep(key=f"question {i} history", value=f"<think>hint {i}</think><search>h{i}</search><result>r{i}</result>",
-                       value_ids=tok(f"<think>hint {i}</think><search>h{i}</search><result>r{i}</result>", add_special_tokens=False)["input_ids"],
-                       question_id=f"src{i}") for i in range(n)]
+    return [
+        StoredStep(
+            key=f"question {i} history",
+            value=f"<think>hint {i}</think><search>h{i}</search><result>r{i}</result>",
+            value_ids=tok(
+                f"<think>hint {i}</think><search>h{i}</search><result>r{i}</result>", add_special_tokens=False
+            )["input_ids"],
+            question_id=f"src{i}",
+        )
+        for i in range(n)
+    ]
 
 
 def test_in_memory_retriever_question_scopes(tiny_tokenizer):
@@ -365,7 +419,13 @@ def test_in_memory_retriever_question_scopes(tiny_tokenizer):
 def test_hybrid_rollout_invariants(tiny_cfg, tiny_tokenizer, tools, schedule):
     _, test = task_splits(tiny_cfg.tasks)
     retriever = InMemoryStepRetriever(_store(tiny_tokenizer))
-    loop = AgentLoop(ScriptedExpertEngine(tiny_tokenizer), tiny_tokenizer, tools, settings(retrieve_prob=1.0, schedule=schedule), retriever=retriever)
+    loop = AgentLoop(
+        ScriptedExpertEngine(tiny_tokenizer),
+        tiny_tokenizer,
+        tools,
+        settings(retrieve_prob=1.0, schedule=schedule),
+        retriever=retriever,
+    )
     trajs, _ = loop.run_groups(test["multihop"][:3], group_size=4, n_hybrid=2)
     for t in trajs:
         kinds = [k for k, _, _ in t.segments]
@@ -385,17 +445,32 @@ def test_hybrid_rollout_invariants(tiny_cfg, tiny_tokenizer, tools, schedule):
 
 
 def test_retrieved_text_earns_no_reward(tiny_tokenizer, tools):
-    answer_leak = StoredStep("k", "<think>the answer</think><answer>\\boxed{42}</answer>",
-                             tiny_tokenizer("<think>the answer</think><answer>\\boxed{42}</answer>", add_special_tokens=False)["input_ids"])
+    answer_leak = StoredStep(
+        "k",
+        "<think>the answer</think><answer>\\boxed{42}</answer>",
+        tiny_tokenizer("<think>the answer</think><answer>\\boxed{42}</answer>", add_special_tokens=False)["input_ids"],
+    )
     steps = ["<think>a</think><python>print(1)</python>", "<think>b</think>" + protocol.EOS]
-    loop = AgentLoop(ScriptEngine(tiny_tokenizer, steps), tiny_tokenizer, tools, settings(retrieve_prob=1.0), retriever=InMemoryStepRetriever([answer_leak]))
+    loop = AgentLoop(
+        ScriptEngine(tiny_tokenizer, steps),
+        tiny_tokenizer,
+        tools,
+        settings(retrieve_prob=1.0),
+        retriever=InMemoryStepRetriever([answer_leak]),
+    )
     (t,), _ = loop.run_groups([Task("q", "Q?", ("42",), "math")], 1, n_hybrid=1)
     assert t.num_retrievals == 1 and t.reward == -1.0 and not t.correct
 
 
 def test_empty_buffer_falls_back_and_counts(tiny_cfg, tiny_tokenizer, tools):
     _, test = task_splits(tiny_cfg.tasks)
-    loop = AgentLoop(ScriptedExpertEngine(tiny_tokenizer), tiny_tokenizer, tools, settings(retrieve_prob=1.0), retriever=InMemoryStepRetriever([]))
+    loop = AgentLoop(
+        ScriptedExpertEngine(tiny_tokenizer),
+        tiny_tokenizer,
+        tools,
+        settings(retrieve_prob=1.0),
+        retriever=InMemoryStepRetriever([]),
+    )
     trajs, _ = loop.run_groups(test["arith"][:2], group_size=2, n_hybrid=2)
     assert all(t.num_retrievals == 0 and t.retrieval_fallbacks >= 1 and t.correct for t in trajs)
 
@@ -428,7 +503,13 @@ def test_fuzz_random_token_streams_never_crash(tiny_tokenizer, tools):
     for seed in range(6):
         eng = RandomEngine(len(tiny_tokenizer), seed)
         eng.rng.choices = None
-        loop = AgentLoop(eng, tiny_tokenizer, tools, settings(retrieve_prob=0.5, max_response_tokens=120, max_step_tokens=30), retriever=retriever)
+        loop = AgentLoop(
+            eng,
+            tiny_tokenizer,
+            tools,
+            settings(retrieve_prob=0.5, max_response_tokens=120, max_step_tokens=30),
+            retriever=retriever,
+        )
         tasks = [Task(f"q{i}", "What?", ("1",)) for i in range(4)]
         trajs, _ = loop.run_groups(tasks, group_size=2, n_hybrid=1)
         for t in trajs:
@@ -450,11 +531,10 @@ def test_steps_of_excludes_answer_steps(tiny_cfg, tiny_tokenizer, tools):
     assert len(steps) == t.tool_calls
     assert all("<answer>" not in s.value and s.value.endswith("</result>") for s in steps)
     assert steps[0].key == t.question and steps[1].key.startswith(t.question + "<think>")
-    from rapo_ray.sft import steps_of_row
-
-    # the trainer's rows (Trajectory.to_row) give the same steps, tagged as on-policy
-    assert [(x.key, x.value, x.value_ids) for x in steps_of_row(tiny_tokenizer, t.to_row())] == [(x.key, x.value, x.value_ids) for x in steps]
-    assert {x.source for x in steps_of_row(tiny_tokenizer, t.to_row())} == {"on_policy"}
+    # the trainer's on-policy insertion splits the batch's trajectories the same way, tagged as on-policy
+    on_policy = steps_of(tiny_tokenizer, t, source="on_policy")
+    assert [(x.key, x.value, x.value_ids) for x in on_policy] == [(x.key, x.value, x.value_ids) for x in steps]
+    assert {x.source for x in on_policy} == {"on_policy"} and {x.source for x in steps} == {"expert"}
 
 
 @SCHEDULES
@@ -467,7 +547,9 @@ def test_arpo_branching_fills_group(tiny_cfg, tiny_tokenizer, tools, schedule):
         group = [t for t in trajs if t.group_id == gid]
         assert len(group) == 5 and len({t.slot for t in group}) == 5
         branches = [t for t in group if t.slot_kind == "branch"]
-        assert branches and all(t.response_ids[: t.branch_point] == group[t.parent].response_ids[: t.branch_point] for t in branches)
+        assert branches and all(
+            t.response_ids[: t.branch_point] == group[t.parent].response_ids[: t.branch_point] for t in branches
+        )
 
 
 def test_per_trajectory_schedule_overlaps_tool_calls_with_decoding(tiny_tokenizer, tools):
@@ -484,10 +566,14 @@ def test_per_trajectory_schedule_overlaps_tool_calls_with_decoding(tiny_tokenize
 
         def generate(self, prompts, params):
             out = []
-            for ids, sp in zip(prompts, self._per_prompt(params, len(prompts))):
+            for ids, _sp in zip(prompts, self._per_prompt(params, len(prompts))):
                 text = tiny_tokenizer.decode(ids, skip_special_tokens=False)
                 done = text.count(protocol.RESULT[1])
-                script = [slow, "<think>d</think><answer>\\boxed{7}</answer>"] if "SLOW" in text else [fast] * 3 + ["<think>d</think><answer>\\boxed{1}</answer>"]
+                script = (
+                    [slow, "<think>d</think><answer>\\boxed{7}</answer>"]
+                    if "SLOW" in text
+                    else [fast] * 3 + ["<think>d</think><answer>\\boxed{1}</answer>"]
+                )
                 step_ids = tiny_tokenizer(script[min(done, len(script) - 1)], add_special_tokens=False)["input_ids"]
                 out.append(GenerationResult(step_ids, [0.0] * len(step_ids), [0.0] * len(step_ids), "stop", None))
             return out
@@ -495,8 +581,13 @@ def test_per_trajectory_schedule_overlaps_tool_calls_with_decoding(tiny_tokenize
     tasks_ = [Task("slow", "SLOW question", ("7",), "math"), Task("fast", "FAST question", ("1",), "math")]
     for schedule in ("per_trajectory", "lockstep"):
         events = []
-        loop = AgentLoop(TwoScripts(), tiny_tokenizer, tools, settings(schedule=schedule),
-                         on_append=lambda t, kind, ids: events.append((t.problem_id, kind)))
+        loop = AgentLoop(
+            TwoScripts(),
+            tiny_tokenizer,
+            tools,
+            settings(schedule=schedule),
+            on_append=lambda t, kind, ids: events.append((t.problem_id, kind)),
+        )
         trajs, stats = loop.run_groups(tasks_, 1)
         assert [t.correct for t in trajs] == [True, True] and [t.tool_calls for t in trajs] == [1, 3]
         slow_result = events.index(("slow", TOOL_RESULT))
@@ -532,6 +623,8 @@ def test_context_window_bounds_prompt_plus_response(tiny_tokenizer, tools):
     loop = AgentLoop(eng, tiny_tokenizer, tools, settings(max_context=20, max_tool_calls=9))
     (t,), _ = loop.run_groups([Task("q", "word " * 50, ("1",))], 1)
     assert t.finish_reason == "length" and t.response_ids == [] and eng.calls.get("n", 0) == 0
-    loop = AgentLoop(ScriptEngine(tiny_tokenizer, steps), tiny_tokenizer, tools, settings(max_context=80, max_tool_calls=9))
+    loop = AgentLoop(
+        ScriptEngine(tiny_tokenizer, steps), tiny_tokenizer, tools, settings(max_context=80, max_tool_calls=9)
+    )
     (t,), _ = loop.run_groups([Task("q", "Who?", ("1",))], 1)
     assert len(t.prompt_ids) + len(t.response_ids) < 80 and t.finish_reason == "length"

@@ -105,9 +105,15 @@ def test_retrieval_reward_single_hand_computed():
     assert retrieval_reward_single(2.0, 3.0) == pytest.approx(2 * math.tanh(-1.0))
     # ablations
     assert retrieval_reward_single(2.0, 3.0, RetrievalRewardSwitches(use_quality=False)) == pytest.approx(2.0)
-    assert retrieval_reward_single(2.0, 3.0, RetrievalRewardSwitches(use_timing=False)) == pytest.approx(math.tanh(-1.0))
-    assert retrieval_reward_single(2.0, 3.0, RetrievalRewardSwitches(invert_delta=True)) == pytest.approx(2 * math.tanh(1.0))
-    assert retrieval_reward_single(2.0, 3.0, RetrievalRewardSwitches(invert_timing=True)) == pytest.approx(0.5 * math.tanh(-1.0))
+    assert retrieval_reward_single(2.0, 3.0, RetrievalRewardSwitches(use_timing=False)) == pytest.approx(
+        math.tanh(-1.0)
+    )
+    assert retrieval_reward_single(2.0, 3.0, RetrievalRewardSwitches(invert_delta=True)) == pytest.approx(
+        2 * math.tanh(1.0)
+    )
+    assert retrieval_reward_single(2.0, 3.0, RetrievalRewardSwitches(invert_timing=True)) == pytest.approx(
+        0.5 * math.tanh(-1.0)
+    )
     # H_before = 0: the division is guarded (eps), no inf/nan
     z = retrieval_reward_single(0.0, 0.3)
     assert math.isfinite(z) and z == pytest.approx(0.0)
@@ -207,9 +213,13 @@ def test_policy_loss_kl_terms():
     ref = torch.log(torch.tensor([[0.25]], dtype=torch.float64))
     old = logp.clone()
     # A = 0 so only the KL remains. k1 = log(0.5/0.25) = log 2; k3 = e^{-log 2} + log 2 - 1 = 0.5 + 0.693147 - 1
-    loss, m = policy_loss(logp, old, torch.tensor([0.0]), torch.ones(1, 1), PolicyLossConfig(kl_coef=0.1, kl_type="k1"), ref_logp=ref)
+    loss, m = policy_loss(
+        logp, old, torch.tensor([0.0]), torch.ones(1, 1), PolicyLossConfig(kl_coef=0.1, kl_type="k1"), ref_logp=ref
+    )
     assert loss.item() == pytest.approx(0.1 * math.log(2))
-    loss, _ = policy_loss(logp, old, torch.tensor([0.0]), torch.ones(1, 1), PolicyLossConfig(kl_coef=0.1, kl_type="k3"), ref_logp=ref)
+    loss, _ = policy_loss(
+        logp, old, torch.tensor([0.0]), torch.ones(1, 1), PolicyLossConfig(kl_coef=0.1, kl_type="k3"), ref_logp=ref
+    )
     assert loss.item() == pytest.approx(0.1 * (0.5 + math.log(2) - 1))
     with pytest.raises(ValueError, match="ref_logp"):
         policy_loss(logp, old, torch.tensor([0.0]), torch.ones(1, 1), PolicyLossConfig(kl_coef=0.1))
@@ -225,7 +235,7 @@ def test_policy_loss_config_errors():
 def _random_batch(B=6, T=7, seed=0):
     g = torch.Generator().manual_seed(seed)
     logp = (-torch.rand(B, T, generator=g, dtype=torch.float64) * 3).requires_grad_(True)
-    old = (logp.detach() + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64))
+    old = logp.detach() + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)
     mask = (torch.rand(B, T, generator=g) > 0.3).to(torch.float64)
     mask[0] = 0  # a sequence with no loss tokens
     adv = torch.randn(B, generator=g, dtype=torch.float64)
@@ -352,11 +362,17 @@ def test_group_advantages_rapo_by_hand_and_per_group_equals_whole_batch():
     from rapo_ray.config import load_config
 
     algo = load_config().algo  # rapo, a = 0.2, m = 0.05
-    batch = {"row": [0, 1, 2, 3], "group_id": ["g", "g", "h", "h"], "reward": [1.0, 0.0, 1.0, 1.0],
-             # row 1 retrieved after step 0 (H 2.0) and the step after it has H 1.0
-             "step_entropies": [[1.0, 1.0], [2.0, 1.0], [0.5], [0.5]],
-             "retrieval_before": [[], [0], [], []], "retrieval_after": [[], [1], [], []],
-             "num_retrieved_tokens": [0, 5, 0, 0], "num_response_tokens": [10, 20, 10, 10]}
+    batch = {
+        "row": [0, 1, 2, 3],
+        "group_id": ["g", "g", "h", "h"],
+        "reward": [1.0, 0.0, 1.0, 1.0],
+        # row 1 retrieved after step 0 (H 2.0) and the step after it has H 1.0
+        "step_entropies": [[1.0, 1.0], [2.0, 1.0], [0.5], [0.5]],
+        "retrieval_before": [[], [0], [], []],
+        "retrieval_after": [[], [1], [], []],
+        "num_retrieved_tokens": [0, 5, 0, 0],
+        "num_response_tokens": [10, 20, 10, 10],
+    }
     out = group_advantages(batch, algo)
     # group g: rewards (1, 0): mean 0.5, unbiased std 0.7071 -> A_acc = +-0.7071; group h: constant -> 0
     a_acc = 0.5 / (0.5**0.5 + 1e-6)
@@ -366,7 +382,9 @@ def test_group_advantages_rapo_by_hand_and_per_group_equals_whole_batch():
     z = 2 * math.tanh(1.0)
     z_adv = (z / 2) / (z / 2**0.5 + 1e-6)
     assert out["retrieval_reward"] == pytest.approx([0.0, z, 0.0, 0.0])
-    assert out["advantage"] == pytest.approx([a_acc * (1 - 0.2 * z_adv), -a_acc * (1 + 0.2 * z_adv), 0.0, 0.0], abs=1e-5)
+    assert out["advantage"] == pytest.approx(
+        [a_acc * (1 - 0.2 * z_adv), -a_acc * (1 + 0.2 * z_adv), 0.0, 0.0], abs=1e-5
+    )
     # Eq. 8 shaping: 1 + m F_ret with F_ret = 5 / 20
     assert out["shaping"] == pytest.approx([1.0, 1.0 + 0.05 * 0.25, 1.0, 1.0], abs=1e-6)
     # per group == whole batch (what lets Ray Data's map_groups compute it)

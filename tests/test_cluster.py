@@ -28,8 +28,12 @@ def test_cloud_launcher_configs_validate(name):
     assert types["learner_gpu"]["resources"]["GPU"] >= 1 and types["learner_gpu"]["resources"]["learner_node"] >= 1
     for t in ("rollout_gpu", "learner_gpu"):
         assert 0 == types[t]["min_workers"] < types[t]["max_workers"]  # autoscaling from zero
-    assert any('.[gpu]' in c for c in cfg["setup_commands"])  # installs the project with the vLLM extra
-    assert all("RAY_AUTH_MODE=token" in c for c in cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"] if "ray start" in c)
+    assert any(".[gpu]" in c for c in cfg["setup_commands"])  # installs the project with the vLLM extra
+    assert all(
+        "RAY_AUTH_MODE=token" in c
+        for c in cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"]
+        if "ray start" in c
+    )
 
 
 def test_fake_cluster_config_validates():
@@ -66,7 +70,9 @@ def test_kuberay_manifests_parse_and_carry_required_fields():
     _check_ray_cluster_spec(rc["spec"])
     job = yaml.safe_load((CLUSTER / "kuberay-rayjob.yaml").read_text())
     assert job["apiVersion"] == "ray.io/v1" and job["kind"] == "RayJob" and job["metadata"]["name"]
-    assert job["spec"]["entrypoint"].startswith("python jobs/train.py") and job["spec"]["shutdownAfterJobFinishes"] is True
+    assert (
+        job["spec"]["entrypoint"].startswith("python jobs/train.py") and job["spec"]["shutdownAfterJobFinishes"] is True
+    )
     assert "env_vars" in yaml.safe_load(job["spec"]["runtimeEnvYAML"])
     _check_ray_cluster_spec(job["spec"]["rayClusterSpec"])
 
@@ -80,7 +86,9 @@ def test_rayjob_entrypoint_overrides_parse():
     argv = shlex.split(job["spec"]["entrypoint"])
     overrides = [a for a in argv[2:] if "=" in a and not a.startswith("--")]
     cfg = load_config(overrides=overrides)
-    assert cfg.resources.rollout_custom_resources == {"rollout_node": 1} and cfg.resources.learner_custom_resources == {"learner_node": 1}
+    assert cfg.resources.rollout_custom_resources == {"rollout_node": 1} and cfg.resources.learner_custom_resources == {
+        "learner_node": 1
+    }
 
 
 def test_runtime_env_file_is_valid():
@@ -92,8 +100,13 @@ def test_runtime_env_file_is_valid():
 
 
 def _sim(scenario: str, timeout_s: int = 400) -> dict:
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "cluster_sim.py"), scenario, "--timeout", "120"],
-                          capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "cluster_sim.py"), scenario, "--timeout", "120"],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=REPO,
+    )
     lines = [l for l in proc.stdout.splitlines() if l.startswith('{"scenario"')]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(lines[-1])

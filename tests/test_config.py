@@ -12,8 +12,8 @@ REPO = Path(__file__).resolve().parents[1]
 def test_defaults_follow_the_paper():
     cfg = load_config()
     a = cfg.algo
-    assert (a.name, a.group_size, a.n_hybrid, a.retrieve_prob) == ("rapo", 16, 8, 0.5)
-    assert (a.shaping_weight, a.advantage_weight, a.clip_low, a.clip_high) == (0.05, 0.2, 0.28, 0.28)
+    assert (a.name, a.group_size, a.rapo.n_hybrid, a.rapo.retrieve_prob) == ("rapo", 16, 8, 0.5)
+    assert (a.rapo.shaping_weight, a.rapo.advantage_weight, a.clip_low, a.clip_high) == (0.05, 0.2, 0.28, 0.28)
     # the one deliberate departure: a KL penalty to the starting policy (paper: none), see its help text
     assert a.kl_coef == 0.1 and "paper uses 0" in type(a).__dataclass_fields__["kl_coef"].metadata.get("help", "")
     for paper in ("paper_qwen2.5_3b.yaml", "paper_qwen2.5_7b.yaml"):  # the paper's own configs keep it off
@@ -30,7 +30,14 @@ def test_round_trip_yaml(tmp_path):
 
 
 def test_overrides_types():
-    cfg = load_config(overrides=["learner.lr=3e-4", "algo.dual_clip=3", "run.tensorboard=false", "resources.rollout_custom_resources={a: 1}"])
+    cfg = load_config(
+        overrides=[
+            "learner.lr=3e-4",
+            "algo.dual_clip=3",
+            "run.tensorboard=false",
+            "resources.rollout_custom_resources={a: 1}",
+        ]
+    )
     assert cfg.learner.lr == 3e-4 and isinstance(cfg.algo.dual_clip, float) and cfg.run.tensorboard is False
     assert cfg.resources.rollout_custom_resources == {"a": 1}
 
@@ -60,8 +67,8 @@ def test_wrong_types_and_choices():
 
 
 def test_impossible_sizes_are_named():
-    with pytest.raises(ConfigError, match=r"algo.n_hybrid \(20\)"):
-        load_config(overrides=["algo.n_hybrid=20"])
+    with pytest.raises(ConfigError, match=r"algo.rapo.n_hybrid \(20\)"):
+        load_config(overrides=["algo.rapo.n_hybrid=20"])
     with pytest.raises(ConfigError, match=r"model.hidden_size \(100\) must be divisible by model.num_heads \(3\)"):
         load_config(overrides=["model.hidden_size=100", "model.num_heads=3", "model.num_kv_heads=1"])
     with pytest.raises(ConfigError, match="tasks.families: unknown family 'chess'"):
@@ -90,8 +97,17 @@ def test_diff_configs_names_fields():
 
 def test_help_lists_every_field():
     text = help_text()
+
+    def keys(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict) and k in ("rapo", "arpo"):  # nested sections: their own header, then their fields
+                assert f"{prefix}{k}: " in text
+                yield from keys(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}"
+
     for section, sub in to_dict(Config()).items():
-        for key in sub:
+        for key in keys(sub):
             assert f"{section}.{key} (" in text
 
 
@@ -103,12 +119,47 @@ def test_every_shipped_config_file_loads():
 
 
 def test_train_help_prints_fields():
-    out = subprocess.run([sys.executable, str(REPO / "jobs" / "train.py"), "--help"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(REPO / "jobs" / "train.py"), "--help"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
-    assert "algo.retrieve_prob" in out.stdout and "Probability of retrieving" in out.stdout
+    assert "algo.rapo.retrieve_prob" in out.stdout and "Probability of retrieving" in out.stdout
 
 
 def test_train_rejects_bad_override_before_work():
-    out = subprocess.run([sys.executable, str(REPO / "jobs" / "train.py"), "algo.nme=grpo"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(REPO / "jobs" / "train.py"), "algo.nme=grpo"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 2
     assert "unknown config key 'algo.nme'" in out.stderr
+
+
+def test_moved_algorithm_keys_name_their_new_place(tmp_path):
+    with pytest.raises(ConfigError, match=r"'algo.n_hybrid' moved to 'algo.rapo.n_hybrid'"):
+        load_config(overrides=["algo.n_hybrid=4"])
+    old = tmp_path / "old.yaml"
+    old.write_text("algo:\n  name: arpo\n  arpo_beam_size: 3\n")
+    with pytest.raises(ConfigError, match=r"old.yaml: config key 'algo.arpo_beam_size' moved to 'algo.arpo.beam_size'"):
+        load_config(old)
+    cfg = load_config(overrides=["algo.name=arpo", "algo.arpo.beam_size=3", "algo.rapo.n_hybrid=4"])
+    assert cfg.algo.arpo.beam_size == 3 and cfg.algo.rapo.n_hybrid == 4
+
+
+def test_registry_holds_every_algorithm_and_its_hooks():
+    from rapo_ray.agent.loop import LoopSettings
+    from rapo_ray.algos.registry import Algorithm, algorithm_names, get_algorithm, register
+    from rapo_ray.config import BUNDLED_FAMILIES
+    from rapo_ray.envs.tasks import TASK_FAMILIES
+
+    assert algorithm_names() == ["arpo", "grpo", "rapo"] and sorted(TASK_FAMILIES) == sorted(BUNDLED_FAMILIES)
+    cfg = load_config(overrides=["algo.rapo.n_hybrid=5", "algo.arpo.initial_rollouts=6"])
+    assert [get_algorithm(n).hybrid_slots(cfg.algo) for n in ("grpo", "arpo", "rapo")] == [0, 0, 5]
+    arpo = LoopSettings.from_config(load_config(overrides=["algo.name=arpo", "algo.arpo.initial_rollouts=6"]))
+    assert arpo.arpo_initial == 6 and LoopSettings.from_config(cfg).arpo_initial is None
+    assert LoopSettings.from_config(load_config(overrides=["algo.name=arpo"]), evaluation=True).arpo_initial is None
+    # an algorithm's own section is checked only when it runs: GRPO with G=4 ignores RAPO's N_hybrid=8
+    assert load_config(overrides=["algo.name=grpo", "algo.group_size=4"]).algo.group_size == 4
+    with pytest.raises(ConfigError, match=r"algo.arpo.initial_rollouts \(8\)"):
+        load_config(overrides=["algo.name=arpo", "algo.group_size=4"])
+    with pytest.raises(ValueError, match="already registered"):
+        register(Algorithm("grpo", advantages=get_algorithm("grpo").advantages))

@@ -20,8 +20,10 @@ def prompts(tiny_tokenizer):
 
 def hf_greedy(model, prompt, n):
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def teacher_forced(model, prompt, generated):
@@ -153,7 +155,9 @@ def test_torch_engine_admits_requests_of_another_thread_mid_decode(tiny_model_di
         assert r.token_ids == hf_greedy(model, prompt, 5)
 
 
-def test_torch_engine_failed_step_fails_its_requests_and_engine_recovers(tiny_model_dir, tiny_tokenizer, prompts, monkeypatch):
+def test_torch_engine_failed_step_fails_its_requests_and_engine_recovers(
+    tiny_model_dir, tiny_tokenizer, prompts, monkeypatch
+):
     engine = TorchEngine(load_model(tiny_model_dir), tiny_tokenizer, max_batch_size=2)
     sp = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
     good = engine.generate(prompts[:3], sp)
@@ -186,8 +190,15 @@ def test_torch_engine_generic_path_for_other_architectures(tiny_tokenizer, promp
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=len(tiny_tokenizer), n_positions=256, n_embd=32, n_layer=2, n_head=2,
-                     bos_token_id=tiny_tokenizer.bos_token_id, eos_token_id=tiny_tokenizer.eos_token_id)
+    cfg = GPT2Config(
+        vocab_size=len(tiny_tokenizer),
+        n_positions=256,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=tiny_tokenizer.bos_token_id,
+        eos_token_id=tiny_tokenizer.eos_token_id,
+    )
     model = GPT2LMHeadModel(cfg).eval()
     engine = TorchEngine(GPT2LMHeadModel(cfg).eval(), tiny_tokenizer, max_batch_size=4)
     engine.model.load_state_dict(model.state_dict())

@@ -9,14 +9,21 @@ from pathlib import Path
 
 import pytest
 
+from rapo_ray.config import TINY_OVERRIDES
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_EVAL = REPO.parent / "shared" / "data" / "eval"
 
 
 @pytest.mark.parametrize("recipe, size", [("paper_qwen2.5_3b.yaml", "3B"), ("paper_qwen2.5_7b.yaml", "7B")])
 def test_paper_recipes_resolve_and_print_the_resource_plan(recipe, size):
-    out = subprocess.run([sys.executable, "jobs/train.py", "--config", f"configs/{recipe}", "--dry-run"], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "jobs/train.py", "--config", f"configs/{recipe}", "--dry-run"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert f"Qwen2.5-{size}-Instruct" in text and "G=16, N_hybrid=8" in text and "m=0.05, a=0.2" in text
@@ -26,23 +33,40 @@ def test_paper_recipes_resolve_and_print_the_resource_plan(recipe, size):
 
 
 def test_dry_run_rejects_bad_config():
-    out = subprocess.run([sys.executable, "jobs/train.py", "--dry-run", "algo.n_hybrid=99"], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "algo.n_hybrid (99) must be in [0, algo.group_size=16]" in out.stderr
+    out = subprocess.run(
+        [sys.executable, "jobs/train.py", "--dry-run", "algo.rapo.n_hybrid=99"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and "algo.rapo.n_hybrid (99) must be in [0, algo.group_size=16]" in out.stderr
 
 
 def test_evaluate_checkpoint_on_bundled_and_a_data_file(ray_session, tiny_cfg, tiny_model_dir, tmp_path):
-    sys.path.insert(0, str(REPO / "jobs"))
-    import evaluate as evaluate_job
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("evaluate_job", REPO / "jobs" / "evaluate.py")
+    evaluate_job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evaluate_job)
 
     data = tmp_path / "mini.jsonl"
-    data.write_text("\n".join(json.dumps({"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}"}) for i in range(3)) + "\n")
-    overrides = [f"run.artifacts_dir={tiny_cfg.run.artifacts_dir}", "model.hidden_size=64", "model.num_layers=2", "model.num_heads=2",
-                 "model.num_kv_heads=1", "model.intermediate_size=128", "model.max_position_embeddings=512", "tokenizer.vocab_size=512",
-                 "tasks.train_size=300", "trainer.sft_examples=40", "trainer.sft_hard_examples=5", "trainer.rl_questions=20",
-                 "tasks.test_size=50", "rollout.max_response_tokens=64", "rollout.max_step_tokens=32", "rollout.engine=torch", "rollout.num_workers=1"]
+    data.write_text(
+        "\n".join(json.dumps({"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}"}) for i in range(3)) + "\n"
+    )
+    overrides = [
+        f"run.artifacts_dir={tiny_cfg.run.artifacts_dir}",
+        *TINY_OVERRIDES,
+        "rollout.max_response_tokens=64",
+        "rollout.max_step_tokens=32",
+        "rollout.engine=torch",
+        "rollout.num_workers=1",
+    ]
     out = tmp_path / "eval.json"
-    rc = evaluate_job.main(["--checkpoint", str(tiny_model_dir), "--datasets", f"bundled,{data}", "--limit", "4", "--out", str(out)] + overrides)
+    rc = evaluate_job.main(
+        ["--checkpoint", str(tiny_model_dir), "--datasets", f"bundled,{data}", "--limit", "4", "--out", str(out)]
+        + overrides
+    )
     assert rc == 0
     res = json.loads(out.read_text())["results"]
     assert set(res) == {"arith", "multihop", "mini"}

@@ -15,7 +15,10 @@ def _unit(n, d, seed):
 
 
 def _steps(n):
-    return [StoredStep(f"key {i}", f"<think>v{i}</think>", [i, i + 1], float(i % 3), f"q{i % 7}", i % 4, "test") for i in range(n)]
+    return [
+        StoredStep(f"key {i}", f"<think>v{i}</think>", [i, i + 1], float(i % 3), f"q{i % 7}", i % 4, "test")
+        for i in range(n)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +90,9 @@ def test_replica_index_matches_brute_force_and_milvus(lite):
     # a row replaced under the same id with another question id leaves the old question's "own" rows
     index.add([new_row[0]["id"]], _unit(1, 16, 9), [("<think>moved</think>", "[]", 0.0, "q-moved")])
     assert len(index) == 401
-    assert [h.value for h in index.search(_unit(1, 16, 9), top_k=3, question_filter=[("own", "q-moved")])[0]] == ["<think>moved</think>"]
+    assert [h.value for h in index.search(_unit(1, 16, 9), top_k=3, question_filter=[("own", "q-moved")])[0]] == [
+        "<think>moved</think>"
+    ]
     assert index.search(_unit(1, 16, 9), top_k=3, question_filter=[("own", "qn")]) == [[]]
     with pytest.raises(ValueError, match="dim 8"):
         index.add(["x"], np.zeros((1, 8), dtype=np.float32), [("v", "[]", 0.0, "q")])
@@ -111,8 +116,10 @@ def test_milvus_lite_server_dies_with_its_run_and_a_held_lock_is_named(tmp_path)
     import time
 
     data = tmp_path / "srv"
-    script = (f"import sys, time\nfrom rapo_ray.retrieval.store import MilvusLiteServer\n"
-              f"s = MilvusLiteServer({str(data)!r})\nprint(s.proc.pid, flush=True)\ntime.sleep(600)\n")
+    script = (
+        f"import sys, time\nfrom rapo_ray.retrieval.store import MilvusLiteServer\n"
+        f"s = MilvusLiteServer({str(data)!r})\nprint(s.proc.pid, flush=True)\ntime.sleep(600)\n"
+    )
     run = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     server_pid = None
     try:
@@ -188,7 +195,9 @@ def test_serve_app_handle_and_http(serve_url, tmp_path, search_on):
 
     server = MilvusLiteServer(tmp_path / "srv")
     try:
-        cfg = load_config(overrides=["retrieval.collection=svc", "retrieval.batch_wait_ms=5", f"retrieval.search_on={search_on}"])
+        cfg = load_config(
+            overrides=["retrieval.collection=svc", "retrieval.batch_wait_ms=5", f"retrieval.search_on={search_on}"]
+        )
         emb = Embedder()
         steps = _steps(30)
         store = MilvusStepStore(server.uri, "svc", dim=384)
@@ -215,8 +224,15 @@ def test_serve_app_handle_and_http(serve_url, tmp_path, search_on):
         noisy = HandleStepRetriever(handle, noise_prob=1.0, seed=0).retrieve(["key 7"])
         assert noisy[0].noise
         # on-policy insertion (retrieval.insert_on_policy): embedded by the service, searchable at once, idempotent
-        fresh = {"key": "a brand new history", "value": "<think>fresh</think>", "value_ids": [5, 6], "reward": 1.0,
-                 "question_id": "qnew", "step_index": 0, "source": "on_policy"}
+        fresh = {
+            "key": "a brand new history",
+            "value": "<think>fresh</think>",
+            "value_ids": [5, 6],
+            "reward": 1.0,
+            "question_id": "qnew",
+            "step_index": 0,
+            "source": "on_policy",
+        }
         n0 = handle.count.remote().result()
         assert handle.insert.remote([fresh]).result() == 1 and handle.insert.remote([fresh]).result() == 1
         assert handle.count.remote().result() == n0 + 1
@@ -232,8 +248,16 @@ def test_builder_counts_idempotence_and_resume(ray_session, tiny_cfg, tiny_model
     from rapo_ray.envs.suite import task_splits
     from rapo_ray.retrieval.buffer import build_buffer
 
-    cfg = replace(tiny_cfg, retrieval=replace(tiny_cfg.retrieval, collection="built", buffer_samples_per_question=2, buffer_keep_top_k=1,
-                                              buffer_error_rate=0.0))
+    cfg = replace(
+        tiny_cfg,
+        retrieval=replace(
+            tiny_cfg.retrieval,
+            collection="built",
+            buffer_samples_per_question=2,
+            buffer_keep_top_k=1,
+            buffer_error_rate=0.0,
+        ),
+    )
     train, _ = task_splits(cfg.tasks)
     tasks = train["multihop"][:6] + train["arith"][:4]
     uri = str(tmp_path / "b.db")
@@ -252,7 +276,10 @@ def test_builder_counts_idempotence_and_resume(ray_session, tiny_cfg, tiny_model
     assert json.loads(manifest.read_text()) == written["questions"]
     from rapo_ray.retrieval.embedder import EMBEDDER_VERSION
 
-    for bad, message in (("{not json", "not valid JSON"), (json.dumps({"embedder_version": EMBEDDER_VERSION}), "no 'questions' list")):
+    for bad, message in (
+        ("{not json", "not valid JSON"),
+        (json.dumps({"embedder_version": EMBEDDER_VERSION}), "no 'questions' list"),
+    ):
         manifest.write_text(bad)
         with pytest.raises(StoreError, match=message):
             build_buffer(cfg, str(tiny_model_dir), uri, tasks, manifest, log=lambda *_: None)
@@ -273,8 +300,12 @@ def test_milvus_document_index_for_the_search_tool(tmp_path):
     from rapo_ray.retrieval.embedder import Embedder
     from rapo_ray.retrieval.store import MilvusDocumentIndex
 
-    docs = ["The mentor of Alice is Bob.", "Paris is the capital of France.", "Photosynthesis turns light into chemical energy.",
-            "The Pacific is the largest ocean."]
+    docs = [
+        "The mentor of Alice is Bob.",
+        "Paris is the capital of France.",
+        "Photosynthesis turns light into chemical energy.",
+        "The Pacific is the largest ocean.",
+    ]
     index = MilvusDocumentIndex(str(tmp_path / "corpus.db"), "docs", Embedder(pooling="mean"))
     index.add(docs)
     index.add(docs[:2])  # same texts again: upserted, not duplicated
@@ -291,9 +322,10 @@ def test_search_tool_over_milvus_for_the_bundled_corpus(tmp_path, tiny_cfg):
 
     from rapo_ray.envs import tasks as bundled
     from rapo_ray.envs.suite import build_tools
+    from rapo_ray.retrieval.search_index import search_index_for
 
     tcfg = replace(tiny_cfg.tasks, search_backend="milvus", search_milvus_uri=str(tmp_path / "search.db"))
-    tools = build_tools(tcfg, tiny_cfg.rollout)
+    tools = build_tools(tcfg, tiny_cfg.rollout, search_index_for(tcfg))
     try:
         docs = bundled.make_world(tcfg.seed).documents()
         assert tools.search.index.count() == len(docs)

@@ -15,7 +15,14 @@ from rapo_ray.engines.base import GenerationResult, InferenceEngine, SamplingPar
 from rapo_ray.serving.batching import BatchingEngine
 from rapo_ray.serving.chat import BadRequest, answer_of, parse_chat_request, tool_trace
 
-SERVE_CFG = load_config(overrides=["serve.max_tokens=64", "serve.default_max_tokens=32", "serve.max_request_chars=200", "serve.max_tool_calls=3"]).serve
+SERVE_CFG = load_config(
+    overrides=[
+        "serve.max_tokens=64",
+        "serve.default_max_tokens=32",
+        "serve.max_request_chars=200",
+        "serve.max_tool_calls=3",
+    ]
+).serve
 
 
 def _user(text="What is 6*7?"):
@@ -25,31 +32,37 @@ def _user(text="What is 6*7?"):
 # ---------------------------------------------------------------- request validation
 
 
-@pytest.mark.parametrize("body, message", [
-    ({}, "'messages' is required"),
-    ([1], "must be a JSON object"),
-    ({"messages": "hi"}, "'messages' must be a non-empty list"),
-    ({"messages": []}, "'messages' must be a non-empty list"),
-    ({"messages": ["hi"]}, "messages[0] must be an object"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role must be one of"),
-    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content must be a string"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text parts"),
-    ({"messages": _user() + [{"role": "system", "content": "x"}]}, "messages[1]: a system message is only allowed first"),
-    ({"messages": _user() + [{"role": "assistant", "content": "x"}]}, "the last message must be from the user"),
-    ({"messages": _user("x" * 201)}, "hold 201 characters; the limit is 200"),
-    ({"messages": _user(), "max_tokens": 65}, "'max_tokens' must be in [1, 64], got 65"),
-    ({"messages": _user(), "max_tokens": "10"}, "'max_tokens' must be an integer, got str"),
-    ({"messages": _user(), "temperature": 3}, "'temperature' must be in [0, 2], got 3"),
-    ({"messages": _user(), "temperature": True}, "'temperature' must be a number, got bool"),
-    ({"messages": _user(), "n": 2}, "'n' must be 1"),
-    ({"messages": _user(), "stream": "yes"}, "'stream' must be a boolean"),
-    ({"messages": _user(), "model": "gpt-4"}, "unknown model 'gpt-4'; this server serves 'agent'"),
-    ({"messages": _user(), "max_tool_calls": 4}, "'max_tool_calls' must be in [0, 3], got 4"),
-    ({"messages": _user(), "tools": [{"type": "function"}]}, "'tools' is not supported"),
-    ({"messages": _user(), "stop": ["\n"]}, "'stop' is not supported"),
-    ({"messages": _user(), "frequency_penalty": 0.5}, "'frequency_penalty' is not supported"),
-    ({"messages": _user(), "foo": 1}, "unknown fields ['foo']"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({}, "'messages' is required"),
+        ([1], "must be a JSON object"),
+        ({"messages": "hi"}, "'messages' must be a non-empty list"),
+        ({"messages": []}, "'messages' must be a non-empty list"),
+        ({"messages": ["hi"]}, "messages[0] must be an object"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role must be one of"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content must be a string"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text parts"),
+        (
+            {"messages": _user() + [{"role": "system", "content": "x"}]},
+            "messages[1]: a system message is only allowed first",
+        ),
+        ({"messages": _user() + [{"role": "assistant", "content": "x"}]}, "the last message must be from the user"),
+        ({"messages": _user("x" * 201)}, "hold 201 characters; the limit is 200"),
+        ({"messages": _user(), "max_tokens": 65}, "'max_tokens' must be in [1, 64], got 65"),
+        ({"messages": _user(), "max_tokens": "10"}, "'max_tokens' must be an integer, got str"),
+        ({"messages": _user(), "temperature": 3}, "'temperature' must be in [0, 2], got 3"),
+        ({"messages": _user(), "temperature": True}, "'temperature' must be a number, got bool"),
+        ({"messages": _user(), "n": 2}, "'n' must be 1"),
+        ({"messages": _user(), "stream": "yes"}, "'stream' must be a boolean"),
+        ({"messages": _user(), "model": "gpt-4"}, "unknown model 'gpt-4'; this server serves 'agent'"),
+        ({"messages": _user(), "max_tool_calls": 4}, "'max_tool_calls' must be in [0, 3], got 4"),
+        ({"messages": _user(), "tools": [{"type": "function"}]}, "'tools' is not supported"),
+        ({"messages": _user(), "stop": ["\n"]}, "'stop' is not supported"),
+        ({"messages": _user(), "frequency_penalty": 0.5}, "'frequency_penalty' is not supported"),
+        ({"messages": _user(), "foo": 1}, "unknown fields ['foo']"),
+    ],
+)
 def test_bad_requests_name_the_field(body, message):
     with pytest.raises(BadRequest) as err:
         parse_chat_request(body, SERVE_CFG, "agent")
@@ -57,27 +70,60 @@ def test_bad_requests_name_the_field(body, message):
 
 
 def test_default_valued_and_bookkeeping_fields_are_accepted():
-    req = parse_chat_request({"messages": _user(), "frequency_penalty": 0, "stop": None, "logprobs": False, "user": "u1",
-                              "metadata": {"k": "v"}}, SERVE_CFG, "agent")
+    req = parse_chat_request(
+        {
+            "messages": _user(),
+            "frequency_penalty": 0,
+            "stop": None,
+            "logprobs": False,
+            "user": "u1",
+            "metadata": {"k": "v"},
+        },
+        SERVE_CFG,
+        "agent",
+    )
     assert req.messages == _user()
 
 
 def test_request_defaults_and_text_parts():
-    req = parse_chat_request({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
-                              "max_completion_tokens": 12, "stream": True, "stream_options": {"include_usage": True}}, SERVE_CFG, "agent")
+    req = parse_chat_request(
+        {
+            "messages": [
+                {"role": "system", "content": "s"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            ],
+            "max_completion_tokens": 12,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        SERVE_CFG,
+        "agent",
+    )
     assert req.messages[1] == {"role": "user", "content": "ab"} and req.max_tokens == 12
-    assert req.stream and req.include_usage and req.temperature == 1.0 and req.max_tool_calls == 3 and req.model == "agent"
+    assert (
+        req.stream and req.include_usage and req.temperature == 1.0 and req.max_tool_calls == 3 and req.model == "agent"
+    )
     assert parse_chat_request({"messages": _user()}, SERVE_CFG, "agent").max_tokens == SERVE_CFG.default_max_tokens
 
 
 def test_answer_and_tool_trace_from_segments():
-    segs = [("generated", "<think>a</think><python>print(6*7)</python>"), ("tool_result", "<result>42</result>"),
-            ("generated", "<think>b</think><search>x</python>"), ("tool_result", "<result>Error: bad</result>"),
-            ("generated", "<think>c</think><answer>\\boxed{42}</answer>")]
+    segs = [
+        ("generated", "<think>a</think><python>print(6*7)</python>"),
+        ("tool_result", "<result>42</result>"),
+        ("generated", "<think>b</think><search>x</python>"),
+        ("tool_result", "<result>Error: bad</result>"),
+        ("generated", "<think>c</think><answer>\\boxed{42}</answer>"),
+    ]
     assert answer_of("".join(t for k, t in segs if k == "generated")) == "\\boxed{42}"
     assert answer_of("<think>no answer</think>") == "no answer"
-    assert tool_trace(segs) == [{"tool": "python", "input": "print(6*7)", "output": "42"},
-                                {"tool": "python", "input": "malformed call: </python> closes <search> (mismatched tags)", "output": "Error: bad"}]
+    assert tool_trace(segs) == [
+        {"tool": "python", "input": "print(6*7)", "output": "42"},
+        {
+            "tool": "python",
+            "input": "malformed call: </python> closes <search> (mismatched tags)",
+            "output": "Error: bad",
+        },
+    ]
 
 
 def test_conversation_frame_matches_single_turn_prompt():
@@ -122,7 +168,9 @@ def test_batching_engine_merges_concurrent_calls_and_routes_results():
         t.start()
     for t in threads:
         t.join()
-    assert {i: [r.token_ids for r in res] for i, res in out.items()} == {i: [[i + 1, i], [1, 100 + i]] for i in range(16)}
+    assert {i: [r.token_ids for r in res] for i, res in out.items()} == {
+        i: [[i + 1, i], [1, 100 + i]] for i in range(16)
+    }
     assert sum(inner.batches) == 32 and len(inner.batches) < 16  # fewer engine calls than conversations
     assert eng.engine_calls == len(inner.batches) and eng.prompts_served == 32
     eng.load_weights({}, 7)
@@ -150,7 +198,10 @@ def test_batching_engine_passes_through_to_a_continuous_engine(tiny_model_dir, t
     sp = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
     solo = [r.token_ids for r in TorchEngine(load_model(tiny_model_dir), tiny_tokenizer).generate(prompts, sp)]
     out = {}
-    threads = [threading.Thread(target=lambda i=i: out.setdefault(i, eng.generate([prompts[i]], sp)[0].token_ids)) for i in range(8)]
+    threads = [
+        threading.Thread(target=lambda i=i: out.setdefault(i, eng.generate([prompts[i]], sp)[0].token_ids))
+        for i in range(8)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -227,12 +278,29 @@ def agent_apps(serve_url, tiny_cfg, tiny_model_dir):
 
     from rapo_ray.serving.app import build_agent_app
 
-    cfg = replace(tiny_cfg, serve=replace(tiny_cfg.serve, api_key="sekret", model_name="tiny", max_tokens=64, default_max_tokens=32,
-                                          max_step_tokens=16, max_prompt_tokens=256))
+    cfg = replace(
+        tiny_cfg,
+        serve=replace(
+            tiny_cfg.serve,
+            api_key="sekret",
+            model_name="tiny",
+            max_tokens=64,
+            default_max_tokens=32,
+            max_step_tokens=16,
+            max_prompt_tokens=256,
+        ),
+    )
     serve.run(build_agent_app(cfg, tiny_model_dir), name="agent_test", route_prefix="/agent")
-    hostile = replace(tiny_cfg, rollout=replace(tiny_cfg.rollout, tool_timeout_s=1.0),
-                      serve=replace(tiny_cfg.serve, model_name="scripted", engine_factory="rapo_ray.engines.scripted:scripted_engine",
-                                    engine_kwargs={"steps": HOSTILE_STEPS}))
+    hostile = replace(
+        tiny_cfg,
+        rollout=replace(tiny_cfg.rollout, tool_timeout_s=1.0),
+        serve=replace(
+            tiny_cfg.serve,
+            model_name="scripted",
+            engine_factory="rapo_ray.engines.scripted:scripted_engine",
+            engine_kwargs={"steps": HOSTILE_STEPS},
+        ),
+    )
     serve.run(build_agent_app(hostile, tiny_model_dir), name="scripted_test", route_prefix="/scripted")
     yield {"agent": f"{serve_url}/agent", "scripted": f"{serve_url}/scripted"}
     serve.delete("agent_test")
@@ -246,17 +314,29 @@ def test_chat_completion_and_streaming_round_trip(agent_apps):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     resp = client.chat.completions.create(model="tiny", messages=_user(), max_tokens=24, temperature=0.0)
     choice = resp.choices[0]
-    assert resp.object == "chat.completion" and choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert (
+        resp.object == "chat.completion"
+        and choice.message.role == "assistant"
+        and isinstance(choice.message.content, str)
+    )
     assert choice.finish_reason in ("stop", "length")
     assert 0 < resp.usage.completion_tokens <= 24 and resp.usage.prompt_tokens > 0
     extra = choice.message.model_extra
     assert isinstance(extra["reasoning_content"], str) and isinstance(extra["tool_trace"], list)
     # Greedy decoding is deterministic: the stream carries the same reasoning and answer.
-    stream = client.chat.completions.create(model="tiny", messages=_user(), max_tokens=24, temperature=0.0, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=_user(),
+        max_tokens=24,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
-    reasoning = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in chunks if c.choices)
+    reasoning = "".join(
+        (c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in chunks if c.choices
+    )
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert reasoning == extra["reasoning_content"] and content == choice.message.content
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -314,7 +394,9 @@ def test_hostile_python_in_a_conversation_is_contained(agent_apps):
     assert "os.system is not allowed" in trace[2]["output"]
     assert msg.content == "\\boxed{survived}" and resp.choices[0].finish_reason == "stop"
     assert not Path("/etc/rapo_pwned").exists() and not Path("/tmp/rapo_pwned_shell").exists()
-    again = client.chat.completions.create(model="scripted", messages=_user("Again."), max_tokens=400, extra_body={"max_tool_calls": 0})
+    again = client.chat.completions.create(
+        model="scripted", messages=_user("Again."), max_tokens=400, extra_body={"max_tool_calls": 0}
+    )
     assert again.model_extra["agent"]["finish_reason"] == "tool_limit"  # the limit is enforced per request
 
 
@@ -329,10 +411,19 @@ def test_new_checkpoint_rolls_out_without_errors(agent_apps, tiny_cfg, tiny_mode
 
     new_ckpt = tmp_path / "v2"
     shutil.copytree(tiny_model_dir, new_ckpt)
-    cfg = replace(tiny_cfg, serve=replace(tiny_cfg.serve, model_name="agent", engine_factory="rapo_ray.engines.scripted:scripted_engine",
-                                          engine_kwargs={"steps": ["<think>x</think><answer>\\boxed{1}</answer>"]}))
+    cfg = replace(
+        tiny_cfg,
+        serve=replace(
+            tiny_cfg.serve,
+            model_name="agent",
+            engine_factory="rapo_ray.engines.scripted:scripted_engine",
+            engine_kwargs={"steps": ["<think>x</think><answer>\\boxed{1}</answer>"]},
+        ),
+    )
     serve.run(build_agent_app(cfg, tiny_model_dir), name="rolling_test", route_prefix="/rolling")
-    client = openai.OpenAI(base_url=agent_apps["agent"].replace("/agent", "/rolling") + "/v1", api_key="x", max_retries=0, timeout=120)
+    client = openai.OpenAI(
+        base_url=agent_apps["agent"].replace("/agent", "/rolling") + "/v1", api_key="x", max_retries=0, timeout=120
+    )
     old_root = client.models.list().data[0].model_extra["root"]
     stop, ok, errors = threading.Event(), [], []
 
@@ -360,4 +451,9 @@ def test_new_checkpoint_rolls_out_without_errors(agent_apps, tiny_cfg, tiny_mode
             t.join()
         serve.delete("rolling_test")
     assert errors == []
-    assert old_root == str(Path(tiny_model_dir).resolve()) and ok[0] == Path(tiny_model_dir).name and ok[-1] == "v2" and len(ok) > 10
+    assert (
+        old_root == str(Path(tiny_model_dir).resolve())
+        and ok[0] == Path(tiny_model_dir).name
+        and ok[-1] == "v2"
+        and len(ok) > 10
+    )

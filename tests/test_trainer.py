@@ -7,16 +7,23 @@ import pytest
 import ray
 import torch
 
-from rapo_ray.agent.loop import Task
+from rapo_ray.agent.trajectory import Task
 from rapo_ray.config import ConfigError
 from tests.conftest import tiny_config
 
 
 @pytest.fixture(scope="module")
 def fleet_cfg(tiny_model_dir, tmp_path_factory):
-    return tiny_config(tmp_path_factory.mktemp("fleet"), f"model.path={tiny_model_dir}", "rollout.engine=torch",
-                       "rollout.num_workers=2", "rollout.max_workers=3", "rollout.max_response_tokens=48", "rollout.max_step_tokens=16",
-                       "resources.cpus_per_rollout_worker=0.5")
+    return tiny_config(
+        tmp_path_factory.mktemp("fleet"),
+        f"model.path={tiny_model_dir}",
+        "rollout.engine=torch",
+        "rollout.num_workers=2",
+        "rollout.max_workers=3",
+        "rollout.max_response_tokens=48",
+        "rollout.max_step_tokens=16",
+        "resources.cpus_per_rollout_worker=0.5",
+    )
 
 
 def _groups(n):
@@ -36,9 +43,9 @@ def test_killed_worker_loses_no_group(ray_session, fleet_cfg, tiny_model_dir):
                 ray.kill(fleet.workers[wid])
 
         groups = _groups(6)
-        rows, stats = fleet.run_step(groups, group_size=2, n_hybrid=0, seed=1, on_dispatch=kill_first)
+        batch, stats = fleet.run_step(groups, group_size=2, n_hybrid=0, seed=1, on_dispatch=kill_first)
         assert killed and stats["requeued_groups"] >= 1 and stats["replaced_workers"] == 1
-        ids = [(r["group_id"], r["slot"]) for r in rows]
+        ids = [(t.group_id, t.slot) for t in batch]
         assert sorted(ids) == sorted((g, s) for g, _ in groups for s in range(2))  # every group once, each slot once
         assert len(fleet.workers) == 2
     finally:
@@ -52,7 +59,9 @@ def test_scale_up_down_and_weight_sync(ray_session, fleet_cfg, tiny_model_dir):
 
     new = {k: v + 0.01 for k, v in load_model(tiny_model_dir).state_dict().items()}
     state = {"sd": None, "v": 0}
-    fleet = RolloutFleet(tiny_model_dir, fleet_cfg, retrieval_app=None, weights_source=lambda: (state["sd"], state["v"]))
+    fleet = RolloutFleet(
+        tiny_model_dir, fleet_cfg, retrieval_app=None, weights_source=lambda: (state["sd"], state["v"])
+    )
     sync = WeightSync(bucket_mb=0.05)  # several buckets
     try:
         ms = sync.push(new, 3, fleet.handles())
@@ -71,8 +80,8 @@ def test_scale_up_down_and_weight_sync(ray_session, fleet_cfg, tiny_model_dir):
         assert [ray.get(w.ready.remote())["version"] for w in fleet.handles()] == [4, 4, 4]
         fleet.scale(1)
         assert len(fleet.workers) == 1
-        rows, _ = fleet.run_step(_groups(2), 2, 0, seed=0)
-        assert len(rows) == 4
+        batch, _ = fleet.run_step(_groups(2), 2, 0, seed=0)
+        assert len(batch) == 4
         assert fleet.autoscale(backlog_groups=5, groups_per_worker=2) == 3  # ceil(5/2) capped by max_workers
         assert fleet.autoscale(backlog_groups=0) == 1
         assert [e.kind for e in fleet.events][:3] == ["start", "scale_up", "scale_down"]
@@ -85,24 +94,41 @@ def test_kl_penalty_pulls_the_policy_back_to_the_starting_model(ray_session, fle
     > 0 after a policy-gradient step, and zero-advantage updates (KL term only) shrink it again."""
     from dataclasses import asdict, replace
 
-    from rapo_ray.learner import LearnerRow, LearnerWorker
+    from rapo_ray.agent.trajectory import Trajectory
+    from rapo_ray.batch import TrajectoryBatch
+    from rapo_ray.learner import LearnerWorker
     from rapo_ray.net import free_port
 
-    cfg = replace(fleet_cfg, algo=replace(fleet_cfg.algo, kl_coef=1.0), learner=replace(fleet_cfg.learner, lr=3e-3, world_size=1))
+    cfg = replace(
+        fleet_cfg, algo=replace(fleet_cfg.algo, kl_coef=1.0), learner=replace(fleet_cfg.learner, lr=3e-3, world_size=1)
+    )
     actor = ray.remote(num_cpus=0.5)(LearnerWorker).remote(0, 1, free_port(), str(tiny_model_dir), asdict(cfg), "gloo")
     try:
-        rows = [LearnerRow(list(range(3, 3 + 3 + 6 + i)), 3, [1] * (6 + i)) for i in range(4)]  # 3 prompt tokens
-        (old,) = ray.get(actor.forward_old.remote([rows]))
-        for r, (logp, _) in zip(rows, old):
-            r.old_logprobs = logp
-        for i, r in enumerate(rows):
-            r.advantage = 1.0 if i % 2 else -1.0
-        push = ray.get(actor.update.remote([([rows], float(sum(len(r.loss_mask) for r in rows)))]))
+        # 4 rows: 3 prompt tokens, 6..9 response tokens, all trained on
+        trajs = [
+            Trajectory(
+                f"g{i}",
+                i,
+                "on_policy",
+                f"p{i}",
+                "qa",
+                (),
+                prompt_ids=[3, 4, 5],
+                response_ids=list(range(6, 12 + i)),
+                loss_mask=[1] * (6 + i),
+            )
+            for i in range(4)
+        ]
+        batch = TrajectoryBatch(trajs)
+        old = ray.get(actor.forward_old.remote([batch]))
+        batch.old_logprobs = [logp for logp, _ in old]
+        batch.advantage, batch.shaping = [1.0 if i % 2 else -1.0 for i in range(4)], [1.0] * 4
+        denominator = float(sum(len(t.loss_mask) for t in trajs))
+        push = ray.get(actor.update.remote([([batch], denominator)]))
         assert push["kl_ref"] == pytest.approx(0.0, abs=1e-7)  # the first forward is the reference itself
-        (moved,) = ray.get(actor.forward_old.remote([rows]))
-        for r, (logp, _) in zip(rows, moved):
-            r.old_logprobs, r.advantage = logp, 0.0
-        kls = [ray.get(actor.update.remote([([rows], float(sum(len(r.loss_mask) for r in rows)))]))["kl_ref"] for _ in range(4)]
+        moved = ray.get(actor.forward_old.remote([batch]))
+        batch.old_logprobs, batch.advantage = [logp for logp, _ in moved], [0.0] * 4
+        kls = [ray.get(actor.update.remote([([batch], denominator)]))["kl_ref"] for _ in range(4)]
         assert kls[0] > 1e-4 and kls[-1] < 0.5 * kls[0]
     finally:
         ray.get(actor.shutdown.remote())
@@ -110,7 +136,7 @@ def test_kl_penalty_pulls_the_policy_back_to_the_starting_model(ray_session, fle
 
 
 def test_impossible_resources_fail_fast(ray_session, fleet_cfg):
-    from rapo_ray.trainer import check_resources
+    from rapo_ray.launcher import check_resources
     from tests.conftest import tiny_config
 
     cfg = tiny_config(fleet_cfg.run.artifacts_dir, "resources.gpus_per_learner=1")
@@ -126,11 +152,27 @@ def warm_cfg(tmp_path_factory):
     """A tiny warm-started policy: after a short warm start its outputs are partly format-valid, so
     rewards (-1 / 0 / 1) differ inside groups and updates are non-trivial."""
     art = tmp_path_factory.mktemp("warm")
-    return tiny_config(art, "trainer.sft_steps=150", "trainer.sft_lr=0.005", "trainer.sft_batch_size=16", "rollout.engine=torch",
-                       "rollout.max_response_tokens=160", "rollout.max_step_tokens=48", "algo.group_size=4", "algo.n_hybrid=2",
-                       "trainer.prompts_per_step=2", "trainer.eval_size=8", "learner.mini_batch_size=4", "learner.lr=0.001",
-                       "retrieval.buffer_samples_per_question=2", "retrieval.buffer_keep_top_k=1", "run.progress=false",
-                       "resources.cpus_per_rollout_worker=0.5", "resources.cpus_per_learner=0.5", f"run.output_dir={art / 'runs'}")
+    return tiny_config(
+        art,
+        "trainer.sft_steps=150",
+        "trainer.sft_lr=0.005",
+        "trainer.sft_batch_size=16",
+        "rollout.engine=torch",
+        "rollout.max_response_tokens=160",
+        "rollout.max_step_tokens=48",
+        "algo.group_size=4",
+        "algo.rapo.n_hybrid=2",
+        "trainer.prompts_per_step=2",
+        "trainer.eval_size=8",
+        "learner.mini_batch_size=4",
+        "learner.lr=0.001",
+        "retrieval.buffer_samples_per_question=2",
+        "retrieval.buffer_keep_top_k=1",
+        "run.progress=false",
+        "resources.cpus_per_rollout_worker=0.5",
+        "resources.cpus_per_learner=0.5",
+        f"run.output_dir={art / 'runs'}",
+    )
 
 
 def test_paired_change_counts_flips_and_sign_test():
@@ -157,14 +199,18 @@ def test_end_to_end_rapo_and_resume_is_exact(ray_session, warm_cfg):
     sync, checkpoints); then 2 straight GRPO steps equal 1 step + resume + 1 step within 1e-6."""
     from dataclasses import replace
 
+    from rapo_ray.launcher import run
     from rapo_ray.model import load_model
     from rapo_ray.sft import warm_start
-    from rapo_ray.trainer import run
 
-    cfg = replace(warm_cfg, trainer=replace(warm_cfg.trainer, total_steps=2), run=replace(warm_cfg.run, name="rapo"),
-                  checkpoint=replace(warm_cfg.checkpoint, every=1),
-                  # on-policy insertion on, with every on-policy trajectory that called a tool qualifying
-                  retrieval=replace(warm_cfg.retrieval, insert_on_policy=True, insert_min_reward=-1.0))
+    cfg = replace(
+        warm_cfg,
+        trainer=replace(warm_cfg.trainer, total_steps=2),
+        run=replace(warm_cfg.run, name="rapo"),
+        checkpoint=replace(warm_cfg.checkpoint, every=1),
+        # on-policy insertion on, with every on-policy trajectory that called a tool qualifying
+        retrieval=replace(warm_cfg.retrieval, insert_on_policy=True, insert_min_reward=-1.0),
+    )
     summary = run(cfg, log=lambda *_: None)
     rd = summary["run_dir"]
     metrics = [json.loads(x) for x in open(f"{rd}/metrics.jsonl")]
@@ -175,7 +221,11 @@ def test_end_to_end_rapo_and_resume_is_exact(ray_session, warm_cfg):
     assert Path(f"{rd}/curves.png").is_file() and json.load(open(f"{rd}/summary.json"))["steps"] == 2
     for fam in ("arith", "multihop"):  # the paired before/after count agrees with the two accuracies
         c = summary["paired_change"][fam]
-        assert c["n"] == 8 and abs(c["gain"] - (summary["after"][f"eval/{fam}/accuracy"] - summary["before"][f"eval/{fam}/accuracy"])) < 1e-9
+        assert (
+            c["n"] == 8
+            and abs(c["gain"] - (summary["after"][f"eval/{fam}/accuracy"] - summary["before"][f"eval/{fam}/accuracy"]))
+            < 1e-9
+        )
     assert list(Path(rd, "tb").glob("events.out.tfevents.*"))  # TensorBoard event files
     import pyarrow.parquet as pq
 
@@ -184,9 +234,12 @@ def test_end_to_end_rapo_and_resume_is_exact(ray_session, warm_cfg):
 
     # 4 prompts x 4 rollouts per step: with this weak policy (~15% of sampled trajectories well-formed), 2
     # prompts sometimes gave every group one constant reward, i.e. zero advantages and no update to compare
-    base = replace(cfg, algo=replace(cfg.algo, name="grpo", n_hybrid=0), trainer=replace(cfg.trainer, prompts_per_step=4))
+    base = replace(cfg, algo=replace(cfg.algo, name="grpo"), trainer=replace(cfg.trainer, prompts_per_step=4))
     straight = run(replace(base, run=replace(base.run, name="straight")), log=lambda *_: None)
-    first = run(replace(base, trainer=replace(base.trainer, total_steps=1), run=replace(base.run, name="resumed")), log=lambda *_: None)
+    first = run(
+        replace(base, trainer=replace(base.trainer, total_steps=1), run=replace(base.run, name="resumed")),
+        log=lambda *_: None,
+    )
     resumed = run(replace(base, checkpoint=replace(base.checkpoint, resume=first["run_dir"])), log=lambda *_: None)
     a, b = _final_weights(straight), _final_weights(resumed)
     init = load_model(warm_start(base)).state_dict()
@@ -194,8 +247,12 @@ def test_end_to_end_rapo_and_resume_is_exact(ray_session, warm_cfg):
     assert max((a[k] - init[k]).abs().max().item() for k in a) > 0  # the steps really changed the weights
     # the same 2 steps with the learners fed through Ray Data's streaming_split: the same update up to the
     # order in which the ranks sum their rows
-    streamed = run(replace(base, trainer=replace(base.trainer, learner_feed="streaming_split"), run=replace(base.run, name="streamed")),
-                   log=lambda *_: None)
+    streamed = run(
+        replace(
+            base, trainer=replace(base.trainer, learner_feed="streaming_split"), run=replace(base.run, name="streamed")
+        ),
+        log=lambda *_: None,
+    )
     c = _final_weights(streamed)
     assert max((a[k] - c[k]).abs().max().item() for k in a) <= 1e-5
 
@@ -203,10 +260,14 @@ def test_end_to_end_rapo_and_resume_is_exact(ray_session, warm_cfg):
 def test_resume_with_incompatible_config_names_fields(ray_session, warm_cfg, tmp_path):
     from dataclasses import replace
 
-    from rapo_ray.trainer import make_run_dir
+    from rapo_ray.launcher import make_run_dir
 
     rd = make_run_dir(replace(warm_cfg, run=replace(warm_cfg.run, output_dir=str(tmp_path), name="r")))
-    bad = replace(warm_cfg, algo=replace(warm_cfg.algo, clip_high=0.2), checkpoint=replace(warm_cfg.checkpoint, resume=str(rd.path)))
+    bad = replace(
+        warm_cfg,
+        algo=replace(warm_cfg.algo, clip_high=0.2),
+        checkpoint=replace(warm_cfg.checkpoint, resume=str(rd.path)),
+    )
     with pytest.raises(ConfigError, match=r"config differs in \['algo.clip_high'\]"):
         make_run_dir(bad)
     with pytest.raises(ConfigError, match="already exists"):  # never overwrite an existing run directory
@@ -217,19 +278,25 @@ def test_resume_with_incompatible_config_names_fields(ray_session, warm_cfg, tmp
 
 def test_ray_data_advantages_equal_the_driver(ray_session):
     from rapo_ray.algos import group_advantages
+    from rapo_ray.algos.registry import get_algorithm
     from rapo_ray.config import load_config
     from rapo_ray.data_flow import advantages_with_ray_data
 
     algo = load_config().algo
     rng = __import__("random").Random(0)
     n = 24
-    batch = {"row": list(range(n)), "group_id": [f"g{i // 8}" for i in range(n)], "reward": [float(rng.choice([-1, 0, 1])) for _ in range(n)],
-             "step_entropies": [[rng.random() + 0.1 for _ in range(3)] for _ in range(n)],
-             "retrieval_before": [[0] if i % 8 >= 4 else [] for i in range(n)],
-             "retrieval_after": [[1 if i % 3 else -1] if i % 8 >= 4 else [] for i in range(n)],
-             "num_retrieved_tokens": [7 if i % 8 >= 4 else 0 for i in range(n)], "num_response_tokens": [40] * n}
+    batch = {
+        "row": list(range(n)),
+        "group_id": [f"g{i // 8}" for i in range(n)],
+        "reward": [float(rng.choice([-1, 0, 1])) for _ in range(n)],
+        "step_entropies": [[rng.random() + 0.1 for _ in range(3)] for _ in range(n)],
+        "retrieval_before": [[0] if i % 8 >= 4 else [] for i in range(n)],
+        "retrieval_after": [[1 if i % 3 else -1] if i % 8 >= 4 else [] for i in range(n)],
+        "num_retrieved_tokens": [7 if i % 8 >= 4 else 0 for i in range(n)],
+        "num_response_tokens": [40] * n,
+    }
     expected = group_advantages(batch, algo)
-    got = advantages_with_ray_data(batch, algo)
+    got = advantages_with_ray_data(batch, get_algorithm(algo.name), algo)
     assert got["row"] == expected["row"]
     for k in ("advantage", "retrieval_reward", "shaping"):
         assert got[k] == pytest.approx(expected[k], abs=1e-6)

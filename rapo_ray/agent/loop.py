@@ -20,32 +20,20 @@ from __future__ import annotations
 import random
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from rapo_ray.agent import protocol
+from rapo_ray.agent.environment import Environment, ToolResult
 from rapo_ray.agent.retriever import StepRetriever, query_text
-from rapo_ray.agent.trajectory import HYBRID, ON_POLICY, Retrieval, Trajectory
+from rapo_ray.agent.trajectory import HYBRID, ON_POLICY, Retrieval, Task, Trajectory
 from rapo_ray.algos.arpo import BranchBudget, EntropyBrancher, normalized_segment_entropy
 from rapo_ray.algos.entropy import GENERATED, RETRIEVED, TOOL_RESULT
+from rapo_ray.algos.registry import get_algorithm
 from rapo_ray.engines.base import InferenceEngine, SamplingParams
-from rapo_ray.envs import rewards
-from rapo_ray.envs.tools import ToolResult, ToolSet
 
 _TOOL_TAGS = {protocol.PYTHON[1]: "python", protocol.SEARCH[1]: "search"}
 _OPEN_TAGS = {"python": protocol.PYTHON[0], "search": protocol.SEARCH[0]}
-
-
-@dataclass
-class Task:
-    """What the loop needs of a problem (bundled ``Problem`` and loader ``Example`` both adapt to it)."""
-
-    id: str
-    question: str
-    answers: tuple
-    kind: str = "qa"  # "math" | "qa"
-    # A chat conversation ({"role", "content"} dicts) to continue instead of ``question`` (serving).
-    messages: tuple = ()
 
 
 @dataclass
@@ -81,14 +69,8 @@ class LoopSettings:
             system_prompt=protocol.system_prompt_for(cfg.tasks.system_prompt, bundled=not cfg.model.path),
             schedule=rollout_cfg.schedule,
         )
-        if not evaluation:
-            s.retrieve_prob = algo_cfg.retrieve_prob
-            if algo_cfg.name == "arpo":
-                s.arpo_initial = algo_cfg.arpo_initial_rollouts
-                s.arpo_beam_size = algo_cfg.arpo_beam_size
-                s.arpo_tau = algo_cfg.arpo_branch_prob
-                s.arpo_beta = algo_cfg.arpo_entropy_weight
-                s.arpo_entropy_tokens = algo_cfg.arpo_entropy_tokens
+        if not evaluation:  # the algorithm's own rollout settings (RAPO's retrieval probability, ARPO's branching)
+            s = replace(s, **get_algorithm(algo_cfg.name).rollout_settings(algo_cfg))
         return s
 
 
@@ -105,8 +87,15 @@ class RolloutStats:
 
 
 class AgentLoop:
-    def __init__(self, engine: InferenceEngine, tokenizer, tools: ToolSet, settings: LoopSettings,
-                 retriever: StepRetriever | None = None, on_append: Callable[[Trajectory, str, list[int]], None] | None = None):
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        tokenizer,
+        tools: Environment,
+        settings: LoopSettings,
+        retriever: StepRetriever | None = None,
+        on_append: Callable[[Trajectory, str, list[int]], None] | None = None,
+    ):
         self.engine, self.tok, self.tools, self.s = engine, tokenizer, tools, settings
         self.retriever = retriever
         self.on_append = on_append  # called after every segment (generated / tool_result / retrieved): streaming
@@ -147,7 +136,9 @@ class AgentLoop:
 
     # ------------------------------------------------------------ public
 
-    def run_groups(self, tasks: Sequence[Task], group_size: int, n_hybrid: int = 0, group_ids: Sequence[str] | None = None) -> tuple[list[Trajectory], RolloutStats]:
+    def run_groups(
+        self, tasks: Sequence[Task], group_size: int, n_hybrid: int = 0, group_ids: Sequence[str] | None = None
+    ) -> tuple[list[Trajectory], RolloutStats]:
         """Roll out ``group_size`` trajectories per task: slots [0, G - n_hybrid) on-policy, the rest hybrid.
         With ARPO settings, each group starts ``arpo_initial`` trajectories and fills the rest by branching."""
         group_ids = list(group_ids) if group_ids is not None else [t.id for t in tasks]
@@ -167,13 +158,23 @@ class AgentLoop:
         return trajs, stats
 
     def _new(self, task: Task, gid: str, slot: int, kind: str, prompt: list[int]) -> Trajectory:
-        return Trajectory(group_id=gid, slot=slot, slot_kind=kind, problem_id=task.id, task_kind=task.kind,
-                          answers=tuple(task.answers), prompt_ids=list(prompt), question=task.question,
-                          policy_version=self.engine.version)
+        return Trajectory(
+            group_id=gid,
+            slot=slot,
+            slot_kind=kind,
+            problem_id=task.id,
+            task_kind=task.kind,
+            answers=tuple(task.answers),
+            prompt_ids=list(prompt),
+            question=task.question,
+            policy_version=self.engine.version,
+        )
 
     # ------------------------------------------------------------ the turn loop
 
-    def _run(self, trajs: list[Trajectory], stats: RolloutStats, budgets: dict, tasks_by_group: dict) -> list[Trajectory]:
+    def _run(
+        self, trajs: list[Trajectory], stats: RolloutStats, budgets: dict, tasks_by_group: dict
+    ) -> list[Trajectory]:
         brancher = EntropyBrancher(self.s.arpo_tau, self.s.arpo_beta, self.rng) if budgets else None
         pending_retrieval: dict[int, Retrieval] = {}
         while True:
@@ -184,8 +185,14 @@ class AgentLoop:
                 break
             stats.turns += 1
             # 1. retrievals (hybrid slots only, never before the first policy step)
-            want = [i for i in active if trajs[i].slot_kind == HYBRID and trajs[i].num_generated_steps > 0
-                    and self.retriever is not None and self.rng.random() < self.s.retrieve_prob]
+            want = [
+                i
+                for i in active
+                if trajs[i].slot_kind == HYBRID
+                and trajs[i].num_generated_steps > 0
+                and self.retriever is not None
+                and self.rng.random() < self.s.retrieve_prob
+            ]
             if want:
                 t0 = time.perf_counter()
                 self._insert_retrievals(trajs, want, pending_retrieval)
@@ -227,7 +234,9 @@ class AgentLoop:
 
     # ------------------------------------------------------------ the per-trajectory schedule
 
-    def _run_per_trajectory(self, trajs: list[Trajectory], stats: RolloutStats, budgets: dict, tasks_by_group: dict) -> list[Trajectory]:
+    def _run_per_trajectory(
+        self, trajs: list[Trajectory], stats: RolloutStats, budgets: dict, tasks_by_group: dict
+    ) -> list[Trajectory]:
         """Same turns as ``_run``, each trajectory on its own: the main thread reacts to whichever
         generation, tool call or retrieval finishes first and submits that trajectory's next request.
         Sampling seeds and retrieval draws come from a per-trajectory RNG, so they do not depend on the
@@ -238,7 +247,9 @@ class AgentLoop:
         in_flight: dict = {}  # future -> (kind, trajectory index, started at)
         retrievals: dict[int, Retrieval] = {}
         generating = [0, 0.0]  # generations in flight, when the count last left 0
-        retrieve_pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="retrieve") if self.retriever is not None else None
+        retrieve_pool = (
+            ThreadPoolExecutor(max_workers=32, thread_name_prefix="retrieve") if self.retriever is not None else None
+        )
 
         def rng_of(i: int) -> random.Random:
             if i not in rngs:
@@ -247,8 +258,12 @@ class AgentLoop:
 
         def start_turn(i: int) -> None:
             t = trajs[i]
-            if (t.slot_kind == HYBRID and t.num_generated_steps > 0 and self.retriever is not None
-                    and rng_of(i).random() < self.s.retrieve_prob):
+            if (
+                t.slot_kind == HYBRID
+                and t.num_generated_steps > 0
+                and self.retriever is not None
+                and rng_of(i).random() < self.s.retrieve_prob
+            ):
                 query = query_text(t.question + self.tok.decode(t.response_ids, skip_special_tokens=False))
                 fut = retrieve_pool.submit(self.retriever.retrieve, [query], [t.problem_id])
                 in_flight[fut] = ("retrieve", i, time.perf_counter())
@@ -327,9 +342,14 @@ class AgentLoop:
     # ------------------------------------------------------------ one turn's pieces (both schedules)
 
     def _step_params(self, room: int, rng: random.Random) -> SamplingParams:
-        return SamplingParams(temperature=self.s.temperature, top_p=self.s.top_p, max_new_tokens=min(self.s.max_step_tokens, room),
-                              stop_token_ids=self.stop_ids, stop_strings=self.stop_strings,
-                              seed=None if self.s.seed is None else rng.randrange(2**31))
+        return SamplingParams(
+            temperature=self.s.temperature,
+            top_p=self.s.top_p,
+            max_new_tokens=min(self.s.max_step_tokens, room),
+            stop_token_ids=self.stop_ids,
+            stop_strings=self.stop_strings,
+            seed=None if self.s.seed is None else rng.randrange(2**31),
+        )
 
     def _take_step(self, t: Trajectory, res, retrieval: Retrieval | None) -> tuple[str, str] | None:
         """Append a generated step; returns the (tool, content) call it ended with, if any."""
@@ -341,7 +361,9 @@ class AgentLoop:
         return self._classify_step(t, res)
 
     def _insert_retrievals(self, trajs, want, pending):
-        histories = [trajs[i].question + self.tok.decode(trajs[i].response_ids, skip_special_tokens=False) for i in want]
+        histories = [
+            trajs[i].question + self.tok.decode(trajs[i].response_ids, skip_special_tokens=False) for i in want
+        ]
         hits = self.retriever.retrieve([query_text(h) for h in histories], [trajs[i].problem_id for i in want])
         for i, hit in zip(want, hits):
             r = self._insert_retrieval(trajs[i], hit)
@@ -360,8 +382,13 @@ class AgentLoop:
             return None
         t.append(RETRIEVED, ids)
         self._emit(t, RETRIEVED, ids)
-        r = Retrieval(step_before=t.num_generated_steps - 1, step_after=None, score=hit.score,
-                      source_id=hit.question_id, noise=hit.noise)
+        r = Retrieval(
+            step_before=t.num_generated_steps - 1,
+            step_after=None,
+            score=hit.score,
+            source_id=hit.question_id,
+            noise=hit.noise,
+        )
         t.retrievals.append(r)
         return r
 
@@ -393,8 +420,10 @@ class AgentLoop:
         start = body.rfind(open_tag)
         if start < 0:
             other = [o for o in _OPEN_TAGS.values() if o in body]
-            return "\x00error:" + (f"{close_tag} closes {other[-1]} (mismatched tags)" if other else f"{close_tag} without {open_tag}")
-        content = body[start + len(open_tag):]
+            return "\x00error:" + (
+                f"{close_tag} closes {other[-1]} (mismatched tags)" if other else f"{close_tag} without {open_tag}"
+            )
+        content = body[start + len(open_tag) :]
         for tag in protocol.ALL_TAGS:
             if tag in content:
                 return f"\x00error:nested tag {tag} inside {open_tag}"
@@ -403,7 +432,7 @@ class AgentLoop:
     def _run_tools(self, trajs, calls):
         results: list[ToolResult | None] = [None] * len(calls)
         todo = []
-        for k, (_, tool, content) in enumerate(calls):
+        for k, (_, _tool, content) in enumerate(calls):
             malformed = _malformed_call_result(content)
             if malformed is not None:
                 results[k] = malformed
@@ -436,7 +465,7 @@ class AgentLoop:
                 continue
             steps = [(s, e) for kind, s, e in t.segments if kind == GENERATED]
             key = (t.group_id, t.slot if t.parent is None else t.parent)  # a branch shares its root's initial entropy
-            first = normalized_segment_entropy(t.token_entropies[steps[0][0]:steps[0][1]], k, vocab)
+            first = normalized_segment_entropy(t.token_entropies[steps[0][0] : steps[0][1]], k, vocab)
             brancher.set_initial(key, first)
             s, e = steps[-1]
             now = normalized_segment_entropy(t.token_entropies[s:e], k, vocab)
@@ -475,13 +504,13 @@ class AgentLoop:
 
     def _score(self, t: Trajectory):
         # Policy-generated text only: tool results and retrieved blocks earn nothing.
-        sc = rewards.score(generated_text(self.tok, t), t.answers, t.task_kind, self.s.tool_bonus)
+        sc = self.tools.score(generated_text(self.tok, t), t.answers, t.task_kind, self.s.tool_bonus)
         t.reward, t.correct, t.f1, t.format_ok, t.answer = sc.reward, sc.correct, sc.f1, sc.format_ok, sc.answer
 
 
 def _malformed_call_result(content: str) -> ToolResult | None:
     """The error result a malformed call gets instead of running (``_parse_call``'s marker), else None."""
-    return ToolResult("Error: " + content[len("\x00error:"):], False) if content.startswith("\x00error:") else None
+    return ToolResult("Error: " + content[len("\x00error:") :], False) if content.startswith("\x00error:") else None
 
 
 def generated_text(tokenizer, t: Trajectory) -> str:

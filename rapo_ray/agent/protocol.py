@@ -83,5 +83,7 @@ def render_conversation(messages, system: str = SYSTEM_PROMPT) -> str:
         elif m["role"] == "assistant":
             parts += [ASSISTANT, m["content"], EOS]
         else:
-            raise ValueError(f"message role {m['role']!r}: only a leading system message, user and assistant are supported")
+            raise ValueError(
+                f"message role {m['role']!r}: only a leading system message, user and assistant are supported"
+            )
     return "".join(parts + [ASSISTANT])

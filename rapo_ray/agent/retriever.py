@@ -1,4 +1,5 @@
-"""The step retriever the hybrid rollout asks for an off-policy step (spec §2, Eq. 3).
+"""The step retriever the hybrid rollout asks for an off-policy step (spec §2, Eq. 3), and ``steps_of``, which
+splits a trajectory into the (history, next step) pairs a buffer stores.
 
 ``StepRetriever.retrieve(queries)`` returns, per query, the best stored step or None (empty buffer). The
 query is the on-policy history after the system prompt (question + steps so far); only its last
@@ -15,6 +16,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 import numpy as np
+
+from rapo_ray.agent.trajectory import Trajectory
+from rapo_ray.algos.entropy import GENERATED
 
 
 @dataclass
@@ -39,7 +43,9 @@ class RetrievedStep:
 
 
 class StepRetriever(Protocol):
-    def retrieve(self, queries: Sequence[str], question_ids: Sequence[str] | None = None) -> list[RetrievedStep | None]: ...
+    def retrieve(
+        self, queries: Sequence[str], question_ids: Sequence[str] | None = None
+    ) -> list[RetrievedStep | None]: ...
 
 
 QUESTION_SCOPES = ("any", "other", "own")
@@ -121,3 +127,35 @@ class InMemoryStepRetriever:
             s = self.steps[j]
             out.append(RetrievedStep(s.value, list(s.value_ids), float(row[j]), s.reward, s.question_id, noise))
         return out
+
+
+def steps_of(tokenizer, traj: Trajectory, source: str = "expert") -> list[StoredStep]:
+    """Split a trajectory into (key = history before the step, value = the step) pairs; answer steps and
+    retrieved blocks are excluded (spec §8.3)."""
+    out, history_ids, step_ids = [], [], []
+    segs = traj.segments
+    for k, (kind, s, e) in enumerate(segs):
+        ids = traj.response_ids[s:e]
+        if kind == GENERATED:
+            step_ids = list(ids)
+            next_is_result = k + 1 < len(segs) and segs[k + 1][0] == "tool_result"
+            if not next_is_result:  # an answer step or a truncated one: not stored
+                history_ids += ids
+                continue
+            rs, re_ = segs[k + 1][1], segs[k + 1][2]
+            value_ids = step_ids + traj.response_ids[rs:re_]
+            key = traj.question + tokenizer.decode(history_ids, skip_special_tokens=False)
+            out.append(
+                StoredStep(
+                    key=key,
+                    value=tokenizer.decode(value_ids, skip_special_tokens=False),
+                    value_ids=value_ids,
+                    reward=traj.reward,
+                    question_id=traj.problem_id,
+                    step_index=len(out),
+                    source=source,
+                )
+            )
+        if kind != "retrieved":
+            history_ids += ids
+    return out

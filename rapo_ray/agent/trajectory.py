@@ -15,6 +15,18 @@ ON_POLICY, HYBRID, BRANCH = "on_policy", "hybrid", "branch"
 
 
 @dataclass
+class Task:
+    """What the loop needs of a problem (bundled ``Problem`` and loader ``Example`` both adapt to it)."""
+
+    id: str
+    question: str
+    answers: tuple
+    kind: str = "qa"  # "math" | "qa"
+    # A chat conversation ({"role", "content"} dicts) to continue instead of ``question`` (serving).
+    messages: tuple = ()
+
+
+@dataclass
 class Retrieval:
     step_before: int  # index of the generated step just before the retrieval
     step_after: int | None  # index of the generated step right after it; None if the trajectory ended
@@ -57,7 +69,9 @@ class Trajectory:
 
     # ------------------------------------------------------------ building
 
-    def append(self, kind: str, ids: list[int], logprobs: list[float] | None = None, entropies: list[float] | None = None) -> None:
+    def append(
+        self, kind: str, ids: list[int], logprobs: list[float] | None = None, entropies: list[float] | None = None
+    ) -> None:
         start = len(self.response_ids)
         self.response_ids.extend(ids)
         self.segments.append((kind, start, start + len(ids)))

@@ -15,7 +15,9 @@ from typing import Sequence
 import torch
 
 
-def normalized_segment_entropy(token_entropy: Sequence[float], first_k: int = 20, vocab_size: int | None = None) -> float:
+def normalized_segment_entropy(
+    token_entropy: Sequence[float], first_k: int = 20, vocab_size: int | None = None
+) -> float:
     """ARPO's entropy of a generation segment: the sum of the first ``min(k, len)`` token entropies,
     divided by ``log(vocab_size)`` when given (ARPO's normalisation). Returns 0.0 for an empty segment."""
     head = list(token_entropy)[:first_k]
@@ -114,7 +116,9 @@ class EntropyBrancher:
         return should_branch(delta, self.rng.random(), self.tau, self.beta)
 
 
-def shared_prefix_token_owner(parents: Sequence[int | None], branch_points: Sequence[int], lengths: Sequence[int]) -> list[list[tuple[int, int]]]:
+def shared_prefix_token_owner(
+    parents: Sequence[int | None], branch_points: Sequence[int], lengths: Sequence[int]
+) -> list[list[tuple[int, int]]]:
     """For each token (i, t), the physical token it is: ``(origin trajectory, t)``.
 
     A branch j created from trajectory p at response position b copies p's tokens [0, b), so token (j, t)

@@ -37,7 +37,9 @@ class PolicyLossConfig:
         if self.kl_type not in KL_TYPES:
             raise ValueError(f"kl_type={self.kl_type!r}; valid: {KL_TYPES}")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
-            raise ValueError(f"clip range must satisfy 0 <= clip_low < 1, clip_high >= 0; got {self.clip_low}, {self.clip_high}")
+            raise ValueError(
+                f"clip range must satisfy 0 <= clip_low < 1, clip_high >= 0; got {self.clip_low}, {self.clip_high}"
+            )
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ValueError(f"dual_clip must be > 1 or None, got {self.dual_clip}")
 
@@ -95,7 +97,9 @@ def policy_loss(
         (scalar loss, metrics). Masked tokens contribute exactly zero to the loss and its gradient.
     """
     if logp.shape != old_logp.shape or logp.shape != loss_mask.shape:
-        raise ValueError(f"shape mismatch: logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)}, loss_mask {tuple(loss_mask.shape)}")
+        raise ValueError(
+            f"shape mismatch: logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)}, loss_mask {tuple(loss_mask.shape)}"
+        )
     mask = loss_mask.to(logp.dtype)
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logp)

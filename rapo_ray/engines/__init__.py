@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from rapo_ray.engines.base import GenerationResult, InferenceEngine, SamplingParams
 
@@ -16,14 +17,25 @@ def resolve_engine_name(requested: str) -> str:
     if requested == "auto":
         return "vllm" if vllm_available() else "torch"
     if requested == "vllm" and not vllm_available():
-        raise RuntimeError("rollout.engine=vllm but vLLM does not import here; install the cpu/gpu extra or use rollout.engine=torch")
+        raise RuntimeError(
+            "rollout.engine=vllm but vLLM does not import here; install the cpu/gpu extra or use rollout.engine=torch"
+        )
     if requested not in ("vllm", "torch"):
         raise ValueError(f"rollout.engine={requested!r}; valid: auto, vllm, torch")
     return requested
 
 
-def make_engine(rollout_cfg, model_dir: str | Path, dtype: str = "float32", max_model_len: int = 1024, seed: int = 0) -> InferenceEngine:
-    """Build the configured engine on an HF model folder."""
+def make_engine(
+    rollout_cfg,
+    model_dir: str | Path,
+    loader: Callable[[str | Path, str], tuple],
+    dtype: str = "float32",
+    max_model_len: int = 1024,
+    seed: int = 0,
+) -> InferenceEngine:
+    """Build the configured engine on an HF model folder. ``loader(model_dir, dtype) -> (model, tokenizer)``
+    loads it for the torch engine (vLLM loads the folder itself); rapo_ray.model.load_model_and_tokenizer
+    is the usual one."""
     name = resolve_engine_name(rollout_cfg.engine)
     if name == "vllm":
         from rapo_ray.engines.vllm_engine import VLLMEngine
@@ -41,6 +53,5 @@ def make_engine(rollout_cfg, model_dir: str | Path, dtype: str = "float32", max_
             threads=rollout_cfg.threads_per_worker,
         )
     from rapo_ray.engines.torch_engine import TorchEngine
-    from rapo_ray.model import load_model, load_tokenizer
 
-    return TorchEngine(load_model(model_dir, dtype), load_tokenizer(model_dir))
+    return TorchEngine(*loader(model_dir, dtype))

@@ -53,7 +53,9 @@ class InferenceEngine(abc.ABC):
         self._submit_pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix=f"{self.name}-submit")
 
     @abc.abstractmethod
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[GenerationResult]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[GenerationResult]:
         """Generate one continuation per prompt; ``params`` may be one for all or one per prompt."""
 
     @abc.abstractmethod

@@ -23,8 +23,14 @@ class ScriptedEngine(InferenceEngine):
             turn = text.rsplit(protocol.ASSISTANT, 1)[-1].count(protocol.RESULT[1])
             step = self.steps[min(turn, len(self.steps) - 1)]
             tokens = self.tok(step, add_special_tokens=False)["input_ids"][: p.max_new_tokens]
-            out.append(GenerationResult(tokens, [0.0] * len(tokens), [0.0] * len(tokens),
-                                        "stop" if len(tokens) < p.max_new_tokens else "length"))
+            out.append(
+                GenerationResult(
+                    tokens,
+                    [0.0] * len(tokens),
+                    [0.0] * len(tokens),
+                    "stop" if len(tokens) < p.max_new_tokens else "length",
+                )
+            )
         return out
 
     def load_weights(self, state_dict: dict, version: int) -> None:

@@ -74,7 +74,9 @@ class SlotDecoder:
         layer = inner.layers[0]
         if not all(hasattr(layer, a) for a in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")):
             return "unexpected decoder-layer layout"
-        if not all(hasattr(layer.self_attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")):
+        if not all(
+            hasattr(layer.self_attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
+        ):
             return "unexpected attention layout"
         return None
 
@@ -111,7 +113,9 @@ class SlotDecoder:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
-    def _layers(self, x: torch.Tensor, position_ids: torch.Tensor, write, read_kv, mask: torch.Tensor | None) -> torch.Tensor:
+    def _layers(
+        self, x: torch.Tensor, position_ids: torch.Tensor, write, read_kv, mask: torch.Tensor | None
+    ) -> torch.Tensor:
         """x [B, T, hidden]; ``write(i, k, v)`` stores new keys/values, ``read_kv(i, k, v)`` returns the keys and
         values to attend to; ``mask`` [B, 1, T, S] (True = attend), or None for plain causal attention."""
         cos, sin = self.model.model.rotary_emb(x, position_ids)  # [B, T, head_dim]
@@ -127,7 +131,13 @@ class SlotDecoder:
             write(i, k, v)
             keys, values = read_kv(i, k, v)
             o = torch.nn.functional.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, is_causal=mask is None, scale=self.scaling, enable_gqa=self.n_kv != self.n_heads
+                q,
+                keys,
+                values,
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=self.scaling,
+                enable_gqa=self.n_kv != self.n_heads,
             )
             x = x + attn.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -252,8 +262,15 @@ class _Request:
 class TorchEngine(InferenceEngine):
     name = "torch"
 
-    def __init__(self, model, tokenizer, max_batch_size: int = 64, device: str = "cpu", prefill_token_budget: int = 16384,
-                 kv_initial_capacity: int = 256):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        max_batch_size: int = 64,
+        device: str = "cpu",
+        prefill_token_budget: int = 16384,
+        kv_initial_capacity: int = 256,
+    ):
         super().__init__()
         self.model = model.to(device).eval()
         self.tokenizer = tokenizer
@@ -263,7 +280,9 @@ class TorchEngine(InferenceEngine):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.eos_id = tokenizer.eos_token_id
         self.fallback_reason = SlotDecoder.unsupported(self.model)
-        self.decoder = SlotDecoder(self.model, max_batch_size, kv_initial_capacity) if self.fallback_reason is None else None
+        self.decoder = (
+            SlotDecoder(self.model, max_batch_size, kv_initial_capacity) if self.fallback_reason is None else None
+        )
         self._waiting: deque[_Request] = deque()
         self._live: list[_Request] = []  # _live[s] occupies cache slot s
         self._admitting: list[_Request] = []
@@ -393,7 +412,9 @@ class TorchEngine(InferenceEngine):
             reason = self._stop_reason(r.tokens, r.params)
             if reason is not None:
                 self._finish(r, "stop", reason)
-            elif len(r.tokens) >= r.params.max_new_tokens or (self.decoder is not None and r.position >= self.decoder.max_positions):
+            elif len(r.tokens) >= r.params.max_new_tokens or (
+                self.decoder is not None and r.position >= self.decoder.max_positions
+            ):
                 self._finish(r, "length", None)
 
     @staticmethod
@@ -436,7 +457,9 @@ class TorchEngine(InferenceEngine):
         ids, attn = ids.to(self.device), attn.to(self.device)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
-        logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1, :]
+        logits = self.model(
+            input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True
+        ).logits[:, -1, :]
 
         gen = torch.Generator(device="cpu")
         seed = params[0].seed

@@ -124,7 +124,9 @@ class VLLMEngine(InferenceEngine):
         self.llm = None  # close() works even if LLM() below fails
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
-        self._shm = Path(tempfile.mkdtemp(prefix="rapo_ray_weights_", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+        self._shm = Path(
+            tempfile.mkdtemp(prefix="rapo_ray_weights_", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
+        )
 
     # ------------------------------------------------------------ generation
     #

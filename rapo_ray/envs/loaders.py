@@ -107,7 +107,9 @@ def _source_name(path: Path) -> str:
     return path.parent.name if path.stem in ("test", "train", "valid", "dev") else path.stem
 
 
-def load_examples(path: str | Path, skip_bad_rows: bool = False, limit: int | None = None) -> tuple[list[Example], LoadReport]:
+def load_examples(
+    path: str | Path, skip_bad_rows: bool = False, limit: int | None = None
+) -> tuple[list[Example], LoadReport]:
     """Load a .jsonl or .parquet file of questions and answers."""
     p = Path(path)
     if not p.is_file():
@@ -189,6 +191,8 @@ def gsm8k_to_trajectory_text(solution: str, answer: str, run_python) -> tuple[st
         from rapo_ray.envs.rewards import math_equal
 
         matches.append(result.ok and math_equal(result.text, step.expected))
-        parts.append(f"{THINK[0]}{step.thought}{THINK[1]}{PYTHON[0]}print({step.expression}){PYTHON[1]}{RESULT[0]}{result.text}{RESULT[1]}")
+        parts.append(
+            f"{THINK[0]}{step.thought}{THINK[1]}{PYTHON[0]}print({step.expression}){PYTHON[1]}{RESULT[0]}{result.text}{RESULT[1]}"
+        )
     parts.append(f"{THINK[0]}done{THINK[1]}{ANSWER[0]}\\boxed{{{answer}}}{ANSWER[1]}")
     return "".join(parts), matches

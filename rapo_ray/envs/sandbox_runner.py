@@ -19,11 +19,38 @@ import sys
 
 WORK = os.path.realpath(os.getcwd())
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-_PATH_EVENTS = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.link", "os.symlink",
-                "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile"}
-_BLOCKED = {"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen",
-            "os.kill", "os.killpg", "socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo",
-            "ctypes.dlopen", "ctypes.cdata"}
+_PATH_EVENTS = {
+    "os.remove",
+    "os.rename",
+    "os.rmdir",
+    "os.mkdir",
+    "os.chmod",
+    "os.chown",
+    "os.link",
+    "os.symlink",
+    "os.truncate",
+    "os.utime",
+    "shutil.rmtree",
+    "shutil.move",
+    "shutil.copyfile",
+}
+_BLOCKED = {
+    "os.fork",
+    "os.forkpty",
+    "os.system",
+    "os.exec",
+    "os.posix_spawn",
+    "os.spawn",
+    "subprocess.Popen",
+    "os.kill",
+    "os.killpg",
+    "socket.__new__",
+    "socket.connect",
+    "socket.bind",
+    "socket.getaddrinfo",
+    "ctypes.dlopen",
+    "ctypes.cdata",
+}
 _realpath = os.path.realpath
 _join = os.path.join
 _fsdecode = os.fsdecode
@@ -75,7 +102,12 @@ def _child(code: str, work: str, limits: dict) -> None:
         os.setsid()
         os.chdir(work)
         WORK = _realpath(work)
-        cpu, mem, fsize, nproc = limits["cpu_s"], limits["memory_mb"] << 20, int(limits["file_size_mb"] * (1 << 20)), limits["max_processes"]
+        cpu, mem, fsize, nproc = (
+            limits["cpu_s"],
+            limits["memory_mb"] << 20,
+            int(limits["file_size_mb"] * (1 << 20)),
+            limits["max_processes"],
+        )
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
         resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
         resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
@@ -158,7 +190,12 @@ def serve(limits: dict) -> None:
                     texts.append("")
             reply = {"rc": rc, "timed_out": timed_out, "stdout": texts[0], "stderr": texts[1]}
         except Exception as exc:  # answer, never die: the parent would have to restart us
-            reply = {"rc": 1, "timed_out": False, "stdout": "", "stderr": f"sandbox server: {type(exc).__name__}: {exc}"}
+            reply = {
+                "rc": 1,
+                "timed_out": False,
+                "stdout": "",
+                "stderr": f"sandbox server: {type(exc).__name__}: {exc}",
+            }
         finally:
             shutil.rmtree(work, ignore_errors=True)
         out.write(json.dumps(reply).encode() + b"\n")

@@ -1,12 +1,12 @@
-"""Assemble the environment of a run: task splits as loop ``Task``s and the tools they need."""
+"""Assemble the environment of a run: task splits as loop ``Task``s and the tools they need (given a search index)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from rapo_ray.agent.loop import Task
+from rapo_ray.agent.trajectory import Task
 from rapo_ray.envs import tasks as bundled
-from rapo_ray.envs.tools import LexicalIndex, PythonSandbox, SandboxLimits, SearchTool, ToolSet
+from rapo_ray.envs.tools import PythonSandbox, SandboxLimits, SearchTool, ToolSet
 
 FAMILY_KIND = {"arith": "math", "multihop": "qa"}
 
@@ -30,7 +30,10 @@ def task_splits(tasks_cfg) -> tuple[dict[str, list[Task]], dict[str, list[Task]]
     train, test = {}, {}
     for fam in tasks_cfg.families:
         train[fam] = [to_task(p) for p in bundled.generate(fam, "train", tasks_cfg.train_size, tasks_cfg.seed)]
-        test[fam] = [to_task(p) for p in bundled.generate(fam, "test", tasks_cfg.test_size, tasks_cfg.seed, tasks_cfg.difficulty or None)]
+        test[fam] = [
+            to_task(p)
+            for p in bundled.generate(fam, "test", tasks_cfg.test_size, tasks_cfg.seed, tasks_cfg.difficulty or None)
+        ]
     for path in tasks_cfg.data_files:
         examples, _ = load_examples(path, skip_bad_rows=tasks_cfg.skip_bad_rows)
         name = examples[0].source if examples else path
@@ -42,35 +45,24 @@ def task_splits(tasks_cfg) -> tuple[dict[str, list[Task]], dict[str, list[Task]]
     return train, test
 
 
-def search_index_for(tasks_cfg, milvus_token: str = ""):
-    """The search tool's index over the bundled fact corpus: lexical, or a Milvus collection (tasks.search_*)."""
-    documents = bundled.make_world(tasks_cfg.seed).documents()
-    if tasks_cfg.search_backend == "lexical":
-        return LexicalIndex(documents)
-    import tempfile
-
-    from rapo_ray.retrieval.embedder import Embedder
-    from rapo_ray.retrieval.store import MilvusDocumentIndex
-
-    uri = tasks_cfg.search_milvus_uri or str(Path(tempfile.mkdtemp(prefix="rapo_search_")) / "corpus.db")  # per process
-    index = MilvusDocumentIndex(uri, tasks_cfg.search_collection, Embedder(pooling="mean"), token=milvus_token)
-    if index.count() < len(documents):
-        index.add(documents)  # idempotent: keyed by content
-    return index
-
-
-def build_tools(tasks_cfg, rollout_cfg, search_index=None, max_concurrency: int = 2) -> ToolSet:
-    """Python sandbox + search (the bundled fact corpus by tasks.search_backend; or any index with ``search(q, k)``)."""
-    limits = SandboxLimits(timeout_s=rollout_cfg.tool_timeout_s, cpu_s=max(1, int(rollout_cfg.tool_timeout_s)),
-                           output_chars=rollout_cfg.tool_output_chars)
-    if search_index is None:
-        search_index = search_index_for(tasks_cfg)
-    return ToolSet(PythonSandbox(limits, max_concurrency, mode=rollout_cfg.python_sandbox), SearchTool(search_index, 3, rollout_cfg.tool_output_chars), max_concurrency)
+def build_tools(tasks_cfg, rollout_cfg, search_index, max_concurrency: int = 2) -> ToolSet:
+    """Python sandbox + search over ``search_index`` (anything with ``search(query, k)``; the run's is built by
+    ``rapo_ray.retrieval.search_index.search_index_for``)."""
+    limits = SandboxLimits(
+        timeout_s=rollout_cfg.tool_timeout_s,
+        cpu_s=max(1, int(rollout_cfg.tool_timeout_s)),
+        output_chars=rollout_cfg.tool_output_chars,
+    )
+    return ToolSet(
+        PythonSandbox(limits, max_concurrency, mode=rollout_cfg.python_sandbox),
+        SearchTool(search_index, 3, rollout_cfg.tool_output_chars),
+        max_concurrency,
+    )
 
 
 def task_difficulty(task: Task) -> int:
     """Number of tool steps the expert needs (bundled families); 0 when unknown."""
-    from rapo_ray.envs.expert import arith_plan, multihop_plan
+    from rapo_ray.engines.expert import arith_plan, multihop_plan
 
     plan = arith_plan(task.question) or multihop_plan(task.question)
     return len(plan[1]) if plan else 0

@@ -30,7 +30,24 @@ class Problem:
 
 # ---------------------------------------------------------------- arith
 
-_NAMES = ["Ava", "Ben", "Cara", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea", "Max", "Nia", "Oto", "Pia"]
+_NAMES = [
+    "Ava",
+    "Ben",
+    "Cara",
+    "Dev",
+    "Eli",
+    "Fay",
+    "Gus",
+    "Hana",
+    "Ivo",
+    "Jun",
+    "Kai",
+    "Lea",
+    "Max",
+    "Nia",
+    "Oto",
+    "Pia",
+]
 _ITEMS = ["apples", "coins", "books", "stamps", "shells", "cards", "pens", "beads"]
 
 
@@ -124,7 +141,9 @@ def _is_test_question(question: str) -> bool:
     return zlib.crc32(question.encode()) % 8 == 0
 
 
-def generate(family: str, split: str, size: int, seed: int, difficulty: int | None = None, world: FactWorld | None = None) -> list[Problem]:
+def generate(
+    family: str, split: str, size: int, seed: int, difficulty: int | None = None, world: FactWorld | None = None
+) -> list[Problem]:
     """Generate ``size`` problems. Train and test use different seeds and are de-duplicated by question."""
     if family not in TASK_FAMILIES:
         raise ValueError(f"unknown task family {family!r}; valid: {sorted(TASK_FAMILIES)}")
@@ -150,7 +169,7 @@ def expert_text(problem: Problem) -> str:
     """The expert's response in protocol text (what an SFT demonstration or a buffer trajectory looks like)."""
     parts = []
     for thought, tool, call, result in problem.expert_steps:
-        open_t, close_t = (PYTHON if tool == "python" else SEARCH)
+        open_t, close_t = PYTHON if tool == "python" else SEARCH
         parts.append(f"{THINK[0]}{thought}{THINK[1]}{open_t}{call}{close_t}{RESULT[0]}{result}{RESULT[1]}")
     parts.append(f"{THINK[0]}done{THINK[1]}{ANSWER[0]}\\boxed{{{problem.answers[0]}}}{ANSWER[1]}")
     return "".join(parts)

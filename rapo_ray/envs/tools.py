@@ -22,15 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Sequence
 
+from rapo_ray.agent.environment import ToolResult
+from rapo_ray.envs import rewards
+
 RUNNER = Path(__file__).with_name("sandbox_runner.py")
 NOBODY = 65534
-
-
-@dataclass
-class ToolResult:
-    text: str
-    ok: bool
-    elapsed_s: float = 0.0
 
 
 @dataclass
@@ -131,8 +127,16 @@ class PythonSandbox:
                     os.chown(out_path, NOBODY, NOBODY)
                     os.chown(err_path, NOBODY, NOBODY)
                 cmd = self._prefix + [sys.executable, "-I", "-S", str(RUNNER), "main.py"]
-                proc = subprocess.Popen(cmd, cwd=work, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=self._env(work),
-                                        preexec_fn=self._preexec, start_new_session=True)
+                proc = subprocess.Popen(
+                    cmd,
+                    cwd=work,
+                    stdout=out,
+                    stderr=err,
+                    stdin=subprocess.DEVNULL,
+                    env=self._env(work),
+                    preexec_fn=self._preexec,
+                    start_new_session=True,
+                )
                 timed_out = False
                 try:
                     proc.wait(timeout=self.limits.timeout_s)
@@ -153,8 +157,10 @@ class PythonSandbox:
                 self._servers.remove(server)
                 server = None
         if server is None:
-            server = _ForkServer(self._prefix + [sys.executable, "-I", "-S", str(RUNNER), "--serve", self._server_limits()],
-                                 self._env(Path(tempfile.gettempdir())))
+            server = _ForkServer(
+                self._prefix + [sys.executable, "-I", "-S", str(RUNNER), "--serve", self._server_limits()],
+                self._env(Path(tempfile.gettempdir())),
+            )
             with self._lock:
                 self._servers.append(server)
         try:
@@ -173,8 +179,15 @@ class PythonSandbox:
         import json
 
         lim = self.limits
-        return json.dumps({"cpu_s": lim.cpu_s, "memory_mb": lim.memory_mb, "file_size_mb": lim.file_size_mb,
-                           "max_processes": lim.max_processes, "read_bytes": lim.output_chars * 4 + 1024})
+        return json.dumps(
+            {
+                "cpu_s": lim.cpu_s,
+                "memory_mb": lim.memory_mb,
+                "file_size_mb": lim.file_size_mb,
+                "max_processes": lim.max_processes,
+                "read_bytes": lim.output_chars * 4 + 1024,
+            }
+        )
 
     @staticmethod
     def _env(home: Path) -> dict:
@@ -198,6 +211,9 @@ class PythonSandbox:
         except ProcessLookupError:
             pass
 
+    def score(self, generated_text: str, answers, kind: str, tool_bonus: float = 0.0) -> rewards.Score:
+        return rewards.score(generated_text, answers, kind, tool_bonus)
+
     def close(self):
         self.pool.shutdown(wait=True)
         with self._lock:
@@ -211,8 +227,15 @@ class _ForkServer:
     """One ``sandbox_runner.py --serve`` process: one call at a time, JSON lines over its stdin/stdout."""
 
     def __init__(self, cmd: list[str], env: dict):
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
-                                     cwd=tempfile.gettempdir(), start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            cwd=tempfile.gettempdir(),
+            start_new_session=True,
+        )
 
     def call(self, code: str, timeout_s: float) -> dict:
         import json
@@ -224,7 +247,9 @@ class _ForkServer:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s + 10)
         line = self.proc.stdout.readline() if ready else b""
         if not line:
-            raise RuntimeError(f"python sandbox server (pid {self.proc.pid}) did not answer (exit code {self.proc.poll()})")
+            raise RuntimeError(
+                f"python sandbox server (pid {self.proc.pid}) did not answer (exit code {self.proc.poll()})"
+            )
         return json.loads(line)
 
     def kill(self) -> None:
@@ -305,7 +330,8 @@ class SearchTool:
 
 
 class ToolSet:
-    """The tools by tag name, with a shared pool so calls in one batch run concurrently."""
+    """The agent's ``Environment`` (rapo_ray/agent/environment.py): the tools by tag name, with a shared pool so
+    calls in one batch run concurrently, and the reward rules of rapo_ray.envs.rewards."""
 
     def __init__(self, python: PythonSandbox | None = None, search: SearchTool | None = None, max_concurrency: int = 4):
         self.python, self.search = python, search
@@ -325,6 +351,9 @@ class ToolSet:
     def call_many(self, calls: Sequence[tuple[str, str]]) -> list[ToolResult]:
         futures = [self.submit(tool, content) for tool, content in calls]
         return [f.result() for f in futures]
+
+    def score(self, generated_text: str, answers, kind: str, tool_bonus: float = 0.0) -> rewards.Score:
+        return rewards.score(generated_text, answers, kind, tool_bonus)
 
     def close(self):
         self.pool.shutdown(wait=True)

@@ -33,10 +33,12 @@ class BufferReport:
     seconds: float
 
     def table(self) -> str:
-        return (f"{'setting':24} {'trajectories':>12} {'step traces':>12} {'tokens':>10}\n"
-                f"{'this buffer':24} {self.trajectories:12d} {self.steps:12d} {self.tokens:10d}\n"
-                f"{'paper (comp.+knowledge)':24} {50000:12d} {169489:12d} {15648438:10d}\n"
-                f"{'paper (web)':24} {11000:12d} {38473:12d} {4518194:10d}")
+        return (
+            f"{'setting':24} {'trajectories':>12} {'step traces':>12} {'tokens':>10}\n"
+            f"{'this buffer':24} {self.trajectories:12d} {self.steps:12d} {self.tokens:10d}\n"
+            f"{'paper (comp.+knowledge)':24} {50000:12d} {169489:12d} {15648438:10d}\n"
+            f"{'paper (web)':24} {11000:12d} {38473:12d} {4518194:10d}"
+        )
 
 
 class ExpertSampler:
@@ -46,21 +48,33 @@ class ExpertSampler:
         from rapo_ray.config import from_dict
         from rapo_ray.envs.suite import build_tools
         from rapo_ray.model import load_tokenizer, set_torch_threads
+        from rapo_ray.retrieval.search_index import search_index_for
 
         set_torch_threads(1)
         self.cfg = from_dict(cfg_dict)
         self.tok = load_tokenizer(model_dir)
-        self.tools = build_tools(self.cfg.tasks, self.cfg.rollout)
+        self.tools = build_tools(self.cfg.tasks, self.cfg.rollout, search_index_for(self.cfg.tasks))
         self.error_rate, self.seed = error_rate, seed
 
     def __call__(self, batch: dict) -> dict:
-        from rapo_ray.agent.loop import Task
-        from rapo_ray.sft import expert_trajectories, steps_of
+        from rapo_ray.agent.retriever import steps_of
+        from rapo_ray.agent.trajectory import Task
+        from rapo_ray.sft import expert_trajectories
 
         rc = self.cfg.retrieval
-        tasks = [Task(i, q, tuple(json.loads(a)), k) for i, q, a, k in zip(batch["id"], batch["question"], batch["answers"], batch["kind"])]
-        trajs = expert_trajectories(self.cfg, self.tok, self.tools, tasks, seed=self.seed + len(tasks),
-                                    error_rate=self.error_rate, samples=rc.buffer_samples_per_question)
+        tasks = [
+            Task(i, q, tuple(json.loads(a)), k)
+            for i, q, a, k in zip(batch["id"], batch["question"], batch["answers"], batch["kind"])
+        ]
+        trajs = expert_trajectories(
+            self.cfg,
+            self.tok,
+            self.tools,
+            tasks,
+            seed=self.seed + len(tasks),
+            error_rate=self.error_rate,
+            samples=rc.buffer_samples_per_question,
+        )
         out = {k: [] for k in ("key", "value", "value_ids", "reward", "question_id", "step_index", "source", "traj_id")}
         by_q: dict[str, list] = {}
         for t in trajs:
@@ -77,8 +91,12 @@ class ExpertSampler:
                     out["step_index"].append(s.step_index)
                     out["source"].append(s.source)
                     out["traj_id"].append(f"{qid}#{t.slot}")
-        return {k: np.array(v, dtype=object) if k in ("key", "value", "value_ids", "question_id", "source", "traj_id") else np.array(v)
-                for k, v in out.items()}
+        return {
+            k: np.array(v, dtype=object)
+            if k in ("key", "value", "value_ids", "question_id", "source", "traj_id")
+            else np.array(v)
+            for k, v in out.items()
+        }
 
 
 class EmbedStep:
@@ -97,9 +115,26 @@ class EmbedStep:
 
 
 def _rows_to_steps(batch: dict) -> tuple[list[StoredStep], np.ndarray]:
-    steps = [StoredStep(k, v, json.loads(ids), float(r), q, int(i), s) for k, v, ids, r, q, i, s in zip(
-        batch["key"], batch["value"], batch["value_ids"], batch["reward"], batch["question_id"], batch["step_index"], batch["source"])]
+    steps = [
+        StoredStep(k, v, json.loads(ids), float(r), q, int(i), s)
+        for k, v, ids, r, q, i, s in zip(
+            batch["key"],
+            batch["value"],
+            batch["value_ids"],
+            batch["reward"],
+            batch["question_id"],
+            batch["step_index"],
+            batch["source"],
+        )
+    ]
     return steps, np.stack(list(batch["vector"])).astype(np.float32)
+
+
+def manifest_path(cfg) -> Path:
+    """Where the buffer of ``retrieval.collection`` records its finished questions (its folder is created)."""
+    path = Path(cfg.run.artifacts_dir) / "milvus" / f"manifest-{cfg.retrieval.collection}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def read_manifest(manifest: Path, collection: str) -> set[str]:
@@ -113,14 +148,18 @@ def read_manifest(manifest: Path, collection: str) -> set[str]:
     try:
         data = json.loads(manifest.read_text())
     except json.JSONDecodeError as exc:
-        raise StoreError(f"buffer manifest {manifest} is not valid JSON ({exc}); it records which questions collection "
-                         f"{collection!r} already holds: restore it, or move it and the collection away to rebuild") from exc
+        raise StoreError(
+            f"buffer manifest {manifest} is not valid JSON ({exc}); it records which questions collection "
+            f"{collection!r} already holds: restore it, or move it and the collection away to rebuild"
+        ) from exc
     version = data.get("embedder_version") if isinstance(data, dict) else 1  # version 1 wrote a bare list
     if version != EMBEDDER_VERSION:
-        raise StoreError(f"step buffer {collection!r} (manifest {manifest}) was embedded by embedder version {version}, "
-                         f"this code embeds queries with version {EMBEDDER_VERSION} (see rapo_ray/retrieval/embedder.py), so "
-                         f"its keys would not match; build a new buffer: set retrieval.collection to a new name, or move "
-                         f"{manifest.parent} away")
+        raise StoreError(
+            f"step buffer {collection!r} (manifest {manifest}) was embedded by embedder version {version}, "
+            f"this code embeds queries with version {EMBEDDER_VERSION} (see rapo_ray/retrieval/embedder.py), so "
+            f"its keys would not match; build a new buffer: set retrieval.collection to a new name, or move "
+            f"{manifest.parent} away"
+        )
     if not isinstance(data.get("questions"), list):
         raise StoreError(f"buffer manifest {manifest} has no 'questions' list; it is not a step-buffer manifest")
     return set(data["questions"])
@@ -146,12 +185,26 @@ def build_buffer(cfg, model_dir: str, uri: str, tasks: list, manifest: Path, log
     store = MilvusStepStore(uri, cfg.retrieval.collection, DIM, token=cfg.retrieval.milvus_token)
     report = BufferReport(len(tasks), 0, 0, 0, len(tasks) - len(todo), 0.0)
     if todo:
-        items = [{"id": t.id, "question": t.question, "answers": json.dumps(list(t.answers)), "kind": t.kind} for t in todo]
+        items = [
+            {"id": t.id, "question": t.question, "answers": json.dumps(list(t.answers)), "kind": t.kind} for t in todo
+        ]
         ds = ray.data.from_items(items, override_num_blocks=max(1, len(items) // 64))
-        ds = ds.map_batches(ExpertSampler, fn_constructor_args=(model_dir, to_dict(cfg), cfg.retrieval.buffer_error_rate, cfg.trainer.sft_seed),
-                            batch_size=32, concurrency=1, num_cpus=1, batch_format="numpy")
-        ds = ds.map_batches(EmbedStep, fn_constructor_args=(cfg.retrieval.pooling, cfg.retrieval.query_max_chars),
-                            batch_size=256, concurrency=1, num_cpus=1, batch_format="numpy")
+        ds = ds.map_batches(
+            ExpertSampler,
+            fn_constructor_args=(model_dir, to_dict(cfg), cfg.retrieval.buffer_error_rate, cfg.trainer.sft_seed),
+            batch_size=32,
+            concurrency=1,
+            num_cpus=1,
+            batch_format="numpy",
+        )
+        ds = ds.map_batches(
+            EmbedStep,
+            fn_constructor_args=(cfg.retrieval.pooling, cfg.retrieval.query_max_chars),
+            batch_size=256,
+            concurrency=1,
+            num_cpus=1,
+            batch_format="numpy",
+        )
         trajectories: set[str] = set()
         for batch in ds.iter_batches(batch_size=512, batch_format="numpy"):
             steps, vectors = _rows_to_steps(batch)
@@ -166,6 +219,8 @@ def build_buffer(cfg, model_dir: str, uri: str, tasks: list, manifest: Path, log
     report.seconds = time.perf_counter() - t0
     total = store.count()
     store.close()
-    log(f"step-trace buffer: {total} steps in {cfg.retrieval.collection!r} ({report.steps} written now, "
-        f"{report.skipped_questions} questions already done) in {report.seconds:.0f} s")
+    log(
+        f"step-trace buffer: {total} steps in {cfg.retrieval.collection!r} ({report.steps} written now, "
+        f"{report.skipped_questions} questions already done) in {report.seconds:.0f} s"
+    )
     return report

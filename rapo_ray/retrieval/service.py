@@ -18,15 +18,30 @@ from rapo_ray.agent.retriever import RetrievedStep, question_filter
 
 def _as_dict(hit: RetrievedStep) -> dict:
     d = asdict(hit)
-    return {"value": d["value"], "value_ids": d["value_ids"], "score": d["score"], "reward": d["reward"],
-            "meta": {"question_id": d["question_id"], "noise": d["noise"]}}
+    return {
+        "value": d["value"],
+        "value_ids": d["value_ids"],
+        "score": d["score"],
+        "reward": d["reward"],
+        "meta": {"question_id": d["question_id"], "noise": d["noise"]},
+    }
 
 
 @serve.deployment(name="StepRetriever", ray_actor_options={"num_cpus": 0})
 class StepRetrieverService:
-    def __init__(self, uri: str, collection: str, token: str = "", pooling: str = "last", max_chars: int = 1300,
-                 top_k: int = 3, max_batch_size: int = 256, batch_wait_ms: float = 5.0, batching: bool = True,
-                 search_on: str = "replica"):
+    def __init__(
+        self,
+        uri: str,
+        collection: str,
+        token: str = "",
+        pooling: str = "last",
+        max_chars: int = 1300,
+        top_k: int = 3,
+        max_batch_size: int = 256,
+        batch_wait_ms: float = 5.0,
+        batching: bool = True,
+        search_on: str = "replica",
+    ):
         import torch
 
         torch.set_num_threads(1)
@@ -55,8 +70,8 @@ class StepRetrieverService:
         vectors = self.embedder.embed(flat)
         top = max(t for _, t, _ in items)
         filters = []
-        for queries, _, question_filter in items:
-            filters.extend([tuple(f) if f else None for f in question_filter] if question_filter else [None] * len(queries))
+        for queries, _, scope in items:
+            filters.extend([tuple(f) if f else None for f in scope] if scope else [None] * len(queries))
         hits = (self.index or self.store).search(vectors, top, question_filter=filters if any(filters) else None)
         out: list[list[list[dict]]] = [[] for _ in items]
         for owner, row in zip(owners, hits):
@@ -67,7 +82,9 @@ class StepRetrieverService:
     async def _batched(self, items: list[tuple[list[str], int, list | None]]) -> list[list[list[dict]]]:
         return self._search(items)
 
-    async def retrieve(self, queries: list[str], top_k: int | None = None, question_filter: list | None = None) -> list[list[dict]]:
+    async def retrieve(
+        self, queries: list[str], top_k: int | None = None, question_filter: list | None = None
+    ) -> list[list[dict]]:
         """Top-k stored steps per query; ``question_filter[i]``: None, ("other", question id) or ("own", question id)."""
         if question_filter is not None and len(question_filter) != len(queries):
             raise ValueError(f"question_filter has {len(question_filter)} entries for {len(queries)} queries")
@@ -83,7 +100,6 @@ class StepRetrieverService:
         """Embed and upsert steps (``StoredStep`` fields) into the buffer: RAPO's optional insertion of
         successful on-policy steps during training. Idempotent: a step already stored is not added twice."""
         from rapo_ray.agent.retriever import StoredStep
-
         from rapo_ray.retrieval.store import step_rows
 
         stored = [StoredStep(**s) for s in steps]
@@ -106,7 +122,11 @@ class StepRetrieverService:
             body = await request.json()
         except Exception:
             return JSONResponse({"error": "body must be JSON"}, status_code=400)
-        if not isinstance(body, dict) or not isinstance(body.get("queries"), list) or not all(isinstance(q, str) for q in body["queries"]):
+        if (
+            not isinstance(body, dict)
+            or not isinstance(body.get("queries"), list)
+            or not all(isinstance(q, str) for q in body["queries"])
+        ):
             return JSONResponse({"error": "'queries' must be a list of strings"}, status_code=400)
         top_k = body.get("top_k", self.top_k)
         if not isinstance(top_k, int) or isinstance(top_k, bool) or not (1 <= top_k <= 100):
@@ -122,17 +142,32 @@ class StepRetrieverService:
 def build_app(rcfg, uri: str, batching: bool = True):
     """The Serve application for ``RetrievalConfig`` ``rcfg`` over the store at ``uri``."""
     return StepRetrieverService.options(
-        autoscaling_config={"min_replicas": rcfg.min_replicas, "max_replicas": rcfg.max_replicas,
-                            "target_ongoing_requests": rcfg.target_ongoing_requests},
+        autoscaling_config={
+            "min_replicas": rcfg.min_replicas,
+            "max_replicas": rcfg.max_replicas,
+            "target_ongoing_requests": rcfg.target_ongoing_requests,
+        },
         max_ongoing_requests=max(rcfg.max_batch_size, 64),
-    ).bind(uri, rcfg.collection, rcfg.milvus_token, rcfg.pooling, rcfg.query_max_chars, rcfg.top_k,
-           rcfg.max_batch_size, rcfg.batch_wait_ms, batching, rcfg.search_on)
+    ).bind(
+        uri,
+        rcfg.collection,
+        rcfg.milvus_token,
+        rcfg.pooling,
+        rcfg.query_max_chars,
+        rcfg.top_k,
+        rcfg.max_batch_size,
+        rcfg.batch_wait_ms,
+        batching,
+        rcfg.search_on,
+    )
 
 
 class HandleStepRetriever:
     """``StepRetriever`` over the Serve deployment handle, top-1 by score (spec §8.4), optional noise."""
 
-    def __init__(self, handle, noise_prob: float = 0.0, question_scope: str = "any", seed: int = 0, max_chars: int = 1300):
+    def __init__(
+        self, handle, noise_prob: float = 0.0, question_scope: str = "any", seed: int = 0, max_chars: int = 1300
+    ):
         self.handle, self.noise_prob, self.question_scope = handle, noise_prob, question_scope
         self.rng = random.Random(seed)
         self.max_chars = max_chars
@@ -142,7 +177,7 @@ class HandleStepRetriever:
         if not queries:
             return []
         filters = question_filter(self.question_scope, question_ids, len(queries))
-        rows = self.handle.retrieve.remote([q[-self.max_chars:] for q in queries], 1, filters).result()
+        rows = self.handle.retrieve.remote([q[-self.max_chars :] for q in queries], 1, filters).result()
         out = []
         for row in rows:
             if not row:
@@ -154,6 +189,14 @@ class HandleStepRetriever:
                     self._noise_pool = self.handle.sample.remote(256, self.rng.randrange(2**31)).result()
                 if self._noise_pool:
                     hit = self.rng.choice(self._noise_pool) | {"score": 0.0, "meta": {"question_id": "", "noise": True}}
-            out.append(RetrievedStep(hit["value"], list(hit["value_ids"]), float(hit["score"]), float(hit["reward"]),
-                                     hit["meta"].get("question_id", ""), bool(hit["meta"].get("noise", False))))
+            out.append(
+                RetrievedStep(
+                    hit["value"],
+                    list(hit["value_ids"]),
+                    float(hit["score"]),
+                    float(hit["reward"]),
+                    hit["meta"].get("question_id", ""),
+                    bool(hit["meta"].get("noise", False)),
+                )
+            )
         return out

@@ -62,11 +62,20 @@ def _connect(uri: str, token: str = "", timeout_s: float = 10.0):
 
 def step_rows(steps: Sequence[StoredStep], vectors: np.ndarray) -> list[dict]:
     """Collection rows for ``steps`` and their key vectors (texts cut to the schema's limits)."""
-    return [{
-        "id": step_id(s), "vector": v.astype(np.float32).tolist(), "key": s.key[-MAX_TEXT // 4:],
-        "value": s.value[: MAX_TEXT // 4], "value_ids": json.dumps(list(s.value_ids))[: MAX_TEXT - 1],
-        "reward": float(s.reward), "source": s.source[:255], "question_id": s.question_id[:255], "step_index": int(s.step_index),
-    } for s, v in zip(steps, vectors)]
+    return [
+        {
+            "id": step_id(s),
+            "vector": v.astype(np.float32).tolist(),
+            "key": s.key[-MAX_TEXT // 4 :],
+            "value": s.value[: MAX_TEXT // 4],
+            "value_ids": json.dumps(list(s.value_ids))[: MAX_TEXT - 1],
+            "reward": float(s.reward),
+            "source": s.source[:255],
+            "question_id": s.question_id[:255],
+            "step_index": int(s.step_index),
+        }
+        for s, v in zip(steps, vectors)
+    ]
 
 
 @dataclass
@@ -84,7 +93,9 @@ class MilvusStepStore:
         if self.client.has_collection(collection):
             existing = self._collection_dim()
             if existing != dim:
-                raise StoreError(f"collection {collection!r} at {uri} has vector dim {existing}, but the embedder gives {dim}")
+                raise StoreError(
+                    f"collection {collection!r} at {uri} has vector dim {existing}, but the embedder gives {dim}"
+                )
         elif create:
             self._create()
         else:
@@ -128,7 +139,9 @@ class MilvusStepStore:
         self.client.upsert(self.collection, rows)
         return len(rows)
 
-    def search(self, vectors: np.ndarray, top_k: int = 3, question_filter: Sequence[tuple[str, str] | None] | None = None) -> list[list[RetrievedStep]]:
+    def search(
+        self, vectors: np.ndarray, top_k: int = 3, question_filter: Sequence[tuple[str, str] | None] | None = None
+    ) -> list[list[RetrievedStep]]:
         """HNSW search; ``question_filter`` as in ``ReplicaIndex.search`` ("own" runs one filtered search per query)."""
         if len(vectors) == 0:
             return []
@@ -148,11 +161,26 @@ class MilvusStepStore:
 
     def _search(self, vectors, limit: int, expr: str = "") -> list[list[RetrievedStep]]:
         res = self.client.search(
-            self.collection, data=[np.asarray(v, dtype=np.float32).tolist() for v in vectors], limit=limit, filter=expr,
+            self.collection,
+            data=[np.asarray(v, dtype=np.float32).tolist() for v in vectors],
+            limit=limit,
+            filter=expr,
             output_fields=["value", "value_ids", "reward", "question_id"],
-            search_params={"metric_type": "IP", "params": {"ef": max(SEARCH_EF, limit)}})
-        return [[RetrievedStep(h["entity"]["value"], json.loads(h["entity"]["value_ids"]), float(h["distance"]), float(h["entity"]["reward"]),
-                               h["entity"]["question_id"]) for h in hits] for hits in res]
+            search_params={"metric_type": "IP", "params": {"ef": max(SEARCH_EF, limit)}},
+        )
+        return [
+            [
+                RetrievedStep(
+                    h["entity"]["value"],
+                    json.loads(h["entity"]["value_ids"]),
+                    float(h["distance"]),
+                    float(h["entity"]["reward"]),
+                    h["entity"]["question_id"],
+                )
+                for h in hits
+            ]
+            for hits in res
+        ]
 
     def count(self) -> int:
         return int(self.client.get_collection_stats(self.collection)["row_count"])
@@ -164,10 +192,25 @@ class MilvusStepStore:
 
     def random_steps(self, n: int, seed: int = 0) -> list[RetrievedStep]:
         """A sample of stored steps (the noisy-retrieval study replaces hits with these)."""
-        rows = self.client.query(self.collection, filter="step_index >= 0", output_fields=["value", "value_ids", "reward", "question_id"], limit=max(n * 4, 64))
+        rows = self.client.query(
+            self.collection,
+            filter="step_index >= 0",
+            output_fields=["value", "value_ids", "reward", "question_id"],
+            limit=max(n * 4, 64),
+        )
         rng = np.random.default_rng(seed)
         pick = rng.choice(len(rows), size=min(n, len(rows)), replace=False) if rows else []
-        return [RetrievedStep(rows[j]["value"], json.loads(rows[j]["value_ids"]), 0.0, float(rows[j]["reward"]), rows[j]["question_id"], True) for j in pick]
+        return [
+            RetrievedStep(
+                rows[j]["value"],
+                json.loads(rows[j]["value_ids"]),
+                0.0,
+                float(rows[j]["reward"]),
+                rows[j]["question_id"],
+                True,
+            )
+            for j in pick
+        ]
 
     def close(self):
         try:
@@ -182,10 +225,12 @@ def _dies_with_this_thread(argv: list[str]) -> list[str]:
     signal follows the creating thread, not the process); elsewhere, and off Linux, ``argv`` unchanged."""
     if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
         return argv
-    launcher = ("import ctypes, os, signal, sys\n"
-                "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
-                "if os.getppid() != int(sys.argv[1]): sys.exit(1)  # the parent is already gone\n"
-                "os.execv(sys.argv[2], sys.argv[2:])\n")
+    launcher = (
+        "import ctypes, os, signal, sys\n"
+        "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+        "if os.getppid() != int(sys.argv[1]): sys.exit(1)  # the parent is already gone\n"
+        "os.execv(sys.argv[2], sys.argv[2:])\n"
+    )
     return [sys.executable, "-c", launcher, str(os.getpid()), *argv]
 
 
@@ -202,8 +247,14 @@ class MilvusLiteServer:
         log_path = self.data_dir / "milvus-lite-server.log"
         self.log = open(log_path, "ab")
         log_start = self.log.tell()
-        self.proc = subprocess.Popen(_dies_with_this_thread([exe, "server", "--data-dir", str(self.data_dir), "--host", "127.0.0.1", "--port", str(self.port)]),
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            _dies_with_this_thread(
+                [exe, "server", "--data-dir", str(self.data_dir), "--host", "127.0.0.1", "--port", str(self.port)]
+            ),
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = time.time() + start_timeout_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -211,8 +262,10 @@ class MilvusLiteServer:
                 with open(log_path, "rb") as f:
                     f.seek(log_start)
                     if b"DataDirLockedError" in f.read():
-                        raise StoreError(f"another milvus-lite server holds the data directory {self.data_dir} (a run still going, or one that "
-                                         f"was killed and left its server behind): stop that server, or point run.artifacts_dir elsewhere")
+                        raise StoreError(
+                            f"another milvus-lite server holds the data directory {self.data_dir} (a run still going, or one that "
+                            f"was killed and left its server behind): stop that server, or point run.artifacts_dir elsewhere"
+                        )
                 raise StoreError(f"milvus-lite server exited with code {self.proc.returncode}; see {log_path}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
@@ -237,8 +290,6 @@ class MilvusLiteServer:
         self.log.close()
 
 
-
-
 class MilvusDocumentIndex:
     """The search tool's corpus as a Milvus collection (id, vector, text): dense search with the same
     embedder and index settings as the step buffer. Implements ``DocumentIndex.search(query, k)``."""
@@ -261,11 +312,19 @@ class MilvusDocumentIndex:
     def add(self, documents: Sequence[str], batch_size: int = 256) -> int:
         """Upsert documents (keyed by content hash: adding the same text twice keeps one row)."""
         for start in range(0, len(documents), batch_size):
-            docs = [d[:MAX_TEXT // 4] for d in documents[start:start + batch_size]]
+            docs = [d[: MAX_TEXT // 4] for d in documents[start : start + batch_size]]
             vectors = self.embedder.embed(docs)
-            self.client.upsert(self.collection, [
-                {"id": hashlib.sha1(d.encode()).hexdigest()[:32], "vector": v.astype(np.float32).tolist(), "text": d}
-                for d, v in zip(docs, vectors)])
+            self.client.upsert(
+                self.collection,
+                [
+                    {
+                        "id": hashlib.sha1(d.encode()).hexdigest()[:32],
+                        "vector": v.astype(np.float32).tolist(),
+                        "text": d,
+                    }
+                    for d, v in zip(docs, vectors)
+                ],
+            )
         return len(documents)
 
     def count(self) -> int:
@@ -273,8 +332,13 @@ class MilvusDocumentIndex:
 
     def search(self, query: str, k: int = 3) -> list[tuple[str, float]]:
         vec = self.embedder.embed([query])[0]
-        res = self.client.search(self.collection, data=[vec.astype(np.float32).tolist()], limit=k, output_fields=["text"],
-                                 search_params={"metric_type": "IP", "params": {"ef": max(SEARCH_EF, k)}})
+        res = self.client.search(
+            self.collection,
+            data=[vec.astype(np.float32).tolist()],
+            limit=k,
+            output_fields=["text"],
+            search_params={"metric_type": "IP", "params": {"ef": max(SEARCH_EF, k)}},
+        )
         return [(h["entity"]["text"], float(h["distance"])) for h in res[0]]
 
     def close(self):

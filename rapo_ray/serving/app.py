@@ -26,11 +26,20 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
-from rapo_ray.config import Config, ConfigError, from_dict, load_config, to_dict
-from rapo_ray.model import context_length, resolve_checkpoint
 from rapo_ray.algos.entropy import GENERATED
-from rapo_ray.serving.chat import (FINISH_REASON, BadRequest, ChatRequest, answer_of, chunk, completion_response, parse_chat_request,
-                                   tool_trace, usage)
+from rapo_ray.config import Config, ConfigError, from_dict, load_config, to_dict
+from rapo_ray.model import context_length, load_model_and_tokenizer, resolve_checkpoint
+from rapo_ray.serving.chat import (
+    FINISH_REASON,
+    BadRequest,
+    ChatRequest,
+    answer_of,
+    chunk,
+    completion_response,
+    parse_chat_request,
+    tool_trace,
+    usage,
+)
 
 api = FastAPI(title="rapo_ray agent", docs_url=None, redoc_url=None)
 
@@ -60,18 +69,27 @@ def _make_engine(sc, cfg: Config, model_dir: str, tokenizer):
     name = sc.engine
     if name == "auto":
         name = "vllm" if on_gpu() and vllm_available() else "torch"
-    return make_engine(replace(cfg.rollout, engine=name), model_dir, dtype=cfg.model.dtype, max_model_len=context_length(model_dir))
+    return make_engine(
+        replace(cfg.rollout, engine=name),
+        model_dir,
+        load_model_and_tokenizer,
+        dtype=cfg.model.dtype,
+        max_model_len=context_length(model_dir),
+    )
 
 
 def _make_tools(cfg: Config):
     """Python sandbox + search over the corpus (tasks.search_backend: lexical, or a Milvus collection)."""
-    from rapo_ray.envs.suite import build_tools, search_index_for
+    from rapo_ray.envs.suite import build_tools
+    from rapo_ray.retrieval.search_index import search_index_for
 
     index = search_index_for(cfg.tasks, cfg.retrieval.milvus_token)
     return build_tools(cfg.tasks, cfg.rollout, search_index=index, max_concurrency=cfg.serve.tool_concurrency)
 
 
-@serve.deployment(name="AgentServer", health_check_period_s=5, health_check_timeout_s=30, graceful_shutdown_timeout_s=60)
+@serve.deployment(
+    name="AgentServer", health_check_period_s=5, health_check_timeout_s=30, graceful_shutdown_timeout_s=60
+)
 @serve.ingress(api)
 class AgentServer:
     def __init__(self, model_dir: str, cfg_dict: dict, model_name: str):
@@ -84,7 +102,9 @@ class AgentServer:
         sc = self.cfg.serve
         self.model_dir, self.model_name = model_dir, model_name
         self.tok = load_tokenizer(model_dir)
-        self.engine = BatchingEngine(_make_engine(sc, self.cfg, model_dir, self.tok), sc.max_batch_size, sc.batch_wait_ms)
+        self.engine = BatchingEngine(
+            _make_engine(sc, self.cfg, model_dir, self.tok), sc.max_batch_size, sc.batch_wait_ms
+        )
         self.tools = _make_tools(self.cfg)
         self.bundled = protocol.ASSISTANT in self.tok.get_vocab()
         self.system_prompt = protocol.system_prompt_for(self.cfg.tasks.system_prompt, bundled=self.bundled)
@@ -97,15 +117,23 @@ class AgentServer:
 
     @api.get("/health")
     def health(self):
-        return {"status": "ok", "model": self.model_name, "checkpoint": self.model_dir, "requests": self.requests,
-                "failures": self.failures, **self.engine.stats()}
+        return {
+            "status": "ok",
+            "model": self.model_name,
+            "checkpoint": self.model_dir,
+            "requests": self.requests,
+            "failures": self.failures,
+            **self.engine.stats(),
+        }
 
     @api.get("/v1/models")
     def models(self, request: Request):
         if (denied := self._check_auth(request)) is not None:
             return denied
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "rapo_ray",
-                                            "root": self.model_dir}]}
+        return {
+            "object": "list",
+            "data": [{"id": self.model_name, "object": "model", "owned_by": "rapo_ray", "root": self.model_dir}],
+        }
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
@@ -149,27 +177,45 @@ class AgentServer:
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-            return _error(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", kind="invalid_request_error", code="invalid_api_key")
+            return _error(
+                401,
+                "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                kind="invalid_request_error",
+                code="invalid_api_key",
+            )
         return None
 
     def _task(self, req: ChatRequest):
-        from rapo_ray.agent.loop import Task
+        from rapo_ray.agent.trajectory import Task
 
-        task = Task(id=req.id, question=req.messages[-1]["content"], answers=(), kind="qa", messages=tuple(req.messages))
+        task = Task(
+            id=req.id, question=req.messages[-1]["content"], answers=(), kind="qa", messages=tuple(req.messages)
+        )
         n_prompt = len(self._loop(req).task_prompt_ids(task))
         if n_prompt > self.cfg.serve.max_prompt_tokens:
-            raise BadRequest(f"the prompt is {n_prompt} tokens; the limit is {self.cfg.serve.max_prompt_tokens} (serve.max_prompt_tokens)")
+            raise BadRequest(
+                f"the prompt is {n_prompt} tokens; the limit is {self.cfg.serve.max_prompt_tokens} (serve.max_prompt_tokens)"
+            )
         if n_prompt + req.max_tokens > self.max_context:
-            raise BadRequest(f"prompt ({n_prompt} tokens) + max_tokens ({req.max_tokens}) exceeds the model's context of {self.max_context}")
+            raise BadRequest(
+                f"prompt ({n_prompt} tokens) + max_tokens ({req.max_tokens}) exceeds the model's context of {self.max_context}"
+            )
         return task
 
     def _loop(self, req: ChatRequest, on_append=None):
         from rapo_ray.agent.loop import AgentLoop, LoopSettings
 
         sc = self.cfg.serve
-        settings = LoopSettings(temperature=req.temperature, top_p=req.top_p, max_response_tokens=req.max_tokens,
-                                max_step_tokens=min(sc.max_step_tokens, req.max_tokens), max_tool_calls=req.max_tool_calls,
-                                retrieve_prob=0.0, seed=req.seed, system_prompt=self.system_prompt)
+        settings = LoopSettings(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            max_response_tokens=req.max_tokens,
+            max_step_tokens=min(sc.max_step_tokens, req.max_tokens),
+            max_tool_calls=req.max_tool_calls,
+            retrieve_prob=0.0,
+            seed=req.seed,
+            system_prompt=self.system_prompt,
+        )
         return AgentLoop(self.engine, self.tok, self.tools, settings, retriever=None, on_append=on_append)
 
     def _converse(self, req: ChatRequest, task, on_append):
@@ -198,16 +244,35 @@ class AgentServer:
             traj = fut.result()
         except Exception as exc:
             self.failures += 1
-            yield _sse({"error": {"message": f"agent loop failed: {type(exc).__name__}: {exc}", "type": "server_error"}})
+            yield _sse(
+                {"error": {"message": f"agent loop failed: {type(exc).__name__}: {exc}", "type": "server_error"}}
+            )
             yield "data: [DONE]\n\n"
             return
         generated = "".join(t for k, t in segments if k == GENERATED)
         yield _sse(chunk(req, {"content": answer_of(generated)}))
-        yield _sse(chunk(req, {}, FINISH_REASON.get(traj.finish_reason, "stop"),
-                         extra={"tool_trace": tool_trace(segments), "agent": {"finish_reason": traj.finish_reason, "tool_calls": traj.tool_calls}}))
+        yield _sse(
+            chunk(
+                req,
+                {},
+                FINISH_REASON.get(traj.finish_reason, "stop"),
+                extra={
+                    "tool_trace": tool_trace(segments),
+                    "agent": {"finish_reason": traj.finish_reason, "tool_calls": traj.tool_calls},
+                },
+            )
+        )
         if req.include_usage:
-            yield _sse({"id": req.id, "object": "chat.completion.chunk", "created": req.created, "model": req.model,
-                        "choices": [], "usage": usage(traj)})
+            yield _sse(
+                {
+                    "id": req.id,
+                    "object": "chat.completion.chunk",
+                    "created": req.created,
+                    "model": req.model,
+                    "choices": [],
+                    "usage": usage(traj),
+                }
+            )
         yield "data: [DONE]\n\n"
 
 
@@ -225,8 +290,11 @@ def build_agent_app(cfg: Config, checkpoint: str | Path):
     if sc.api_key_env and os.environ.get(sc.api_key_env):  # the replicas read the key where the deployer has it
         env[sc.api_key_env] = os.environ[sc.api_key_env]
     return AgentServer.options(
-        autoscaling_config={"min_replicas": sc.min_replicas, "max_replicas": sc.max_replicas,
-                            "target_ongoing_requests": sc.target_ongoing_requests},
+        autoscaling_config={
+            "min_replicas": sc.min_replicas,
+            "max_replicas": sc.max_replicas,
+            "target_ongoing_requests": sc.target_ongoing_requests,
+        },
         max_ongoing_requests=sc.max_ongoing_requests,
         ray_actor_options={"num_cpus": sc.num_cpus, "num_gpus": sc.num_gpus, "runtime_env": {"env_vars": env}},
     ).bind(str(model_dir.resolve()), to_dict(cfg), name)
@@ -237,7 +305,9 @@ def app_builder(args: dict):
     dotted overrides (``serve.max_tokens: 256``)."""
     args = dict(args)
     if "checkpoint" not in args:
-        raise ConfigError("serve application args: 'checkpoint' is required (an HF folder, a checkpoint, or a run directory)")
+        raise ConfigError(
+            "serve application args: 'checkpoint' is required (an HF folder, a checkpoint, or a run directory)"
+        )
     checkpoint = args.pop("checkpoint")
     config = args.pop("config", None)
     cfg = load_config(config, [f"{k}={v}" for k, v in args.items()])

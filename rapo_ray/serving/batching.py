@@ -49,7 +49,9 @@ class BatchingEngine(InferenceEngine):
     def version(self, value: int) -> None:  # InferenceEngine.__init__ sets it
         pass
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[GenerationResult]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[GenerationResult]:
         if self._closed:
             raise RuntimeError("BatchingEngine is closed")
         if not prompts:
@@ -125,5 +127,5 @@ class BatchingEngine(InferenceEngine):
                 continue
             start = 0
             for ps, _, fut in items:
-                fut.set_result(results[start:start + len(ps)])
+                fut.set_result(results[start : start + len(ps)])
                 start += len(ps)

@@ -18,15 +18,36 @@ from rapo_ray.algos.entropy import GENERATED, RETRIEVED, TOOL_RESULT
 
 ROLES = ("system", "user", "assistant")
 _ANSWER = re.compile(re.escape(protocol.ANSWER[0]) + r"(.*?)" + re.escape(protocol.ANSWER[1]), re.S)
-_SUPPORTED_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
-                     "stream_options", "seed", "max_tool_calls"}
+_SUPPORTED_FIELDS = {
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stream",
+    "stream_options",
+    "seed",
+    "max_tool_calls",
+}
 # Bookkeeping fields that do not change the reply: accepted and not used.
 _IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 # OpenAI fields this server does not implement: a request that sets one to anything but its default gets a 400
 # naming it, rather than a reply that silently ignores it.
-_UNSUPPORTED_FIELDS = {"stop": None, "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "logprobs": False,
-                       "top_logprobs": None, "tools": None, "tool_choice": None, "response_format": None,
-                       "reasoning_effort": None, "modalities": None}
+_UNSUPPORTED_FIELDS = {
+    "stop": None,
+    "frequency_penalty": 0,
+    "presence_penalty": 0,
+    "logit_bias": None,
+    "logprobs": False,
+    "top_logprobs": None,
+    "tools": None,
+    "tool_choice": None,
+    "response_format": None,
+    "reasoning_effort": None,
+    "modalities": None,
+}
 
 
 class BadRequest(ValueError):
@@ -78,7 +99,9 @@ def _content_text(content, where: str) -> str:
         texts = []
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise BadRequest(f"{where}.content[{j}]: only text parts ({{'type': 'text', 'text': str}}) are supported")
+                raise BadRequest(
+                    f"{where}.content[{j}]: only text parts ({{'type': 'text', 'text': str}}) are supported"
+                )
             texts.append(part["text"])
         return "".join(texts)
     raise BadRequest(f"{where}.content must be a string or a list of text parts, got {type(content).__name__}")
@@ -93,7 +116,9 @@ def parse_chat_request(body, serve_cfg, model_name: str) -> ChatRequest:
         raise BadRequest(f"unknown fields {unknown}")
     for key, default in _UNSUPPORTED_FIELDS.items():
         if body.get(key, default) not in (default, None, [], {}):
-            raise BadRequest(f"'{key}' is not supported by this server (the agent's tools, stops and sampling are fixed)")
+            raise BadRequest(
+                f"'{key}' is not supported by this server (the agent's tools, stops and sampling are fixed)"
+            )
     msgs = body.get("messages")
     if msgs is None:
         raise BadRequest("'messages' is required")
@@ -132,12 +157,16 @@ def parse_chat_request(body, serve_cfg, model_name: str) -> ChatRequest:
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _integer(body, key, 1, serve_cfg.max_tokens, serve_cfg.default_max_tokens)
     return ChatRequest(
-        messages=messages, max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 0.0, 2.0, 1.0), top_p=_number(body, "top_p", 1e-6, 1.0, 1.0),
-        stream=stream, include_usage=bool(opts.get("include_usage", False)),
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
+        top_p=_number(body, "top_p", 1e-6, 1.0, 1.0),
+        stream=stream,
+        include_usage=bool(opts.get("include_usage", False)),
         seed=_integer(body, "seed", -(2**63), 2**63 - 1, None),
         max_tool_calls=_integer(body, "max_tool_calls", 0, serve_cfg.max_tool_calls, serve_cfg.max_tool_calls),
-        model=model_name)
+        model=model_name,
+    )
 
 
 # ---------------------------------------------------------------- responses
@@ -186,28 +215,50 @@ def completion_response(req: ChatRequest, tokenizer, traj) -> dict:
     segs = segment_texts(tokenizer, traj)
     generated = "".join(t for k, t in segs if k == GENERATED)
     return {
-        "id": req.id, "object": "chat.completion", "created": req.created, "model": req.model,
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": answer_of(generated), "reasoning_content": reasoning_text(segs),
-                        "tool_trace": tool_trace(segs)},
-            "finish_reason": FINISH_REASON.get(traj.finish_reason, "stop"),
-        }],
+        "id": req.id,
+        "object": "chat.completion",
+        "created": req.created,
+        "model": req.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": answer_of(generated),
+                    "reasoning_content": reasoning_text(segs),
+                    "tool_trace": tool_trace(segs),
+                },
+                "finish_reason": FINISH_REASON.get(traj.finish_reason, "stop"),
+            }
+        ],
         "usage": usage(traj),
-        "agent": {"finish_reason": traj.finish_reason, "tool_calls": traj.tool_calls, "tool_errors": traj.tool_errors,
-                  "policy_version": traj.policy_version},
+        "agent": {
+            "finish_reason": traj.finish_reason,
+            "tool_calls": traj.tool_calls,
+            "tool_errors": traj.tool_errors,
+            "policy_version": traj.policy_version,
+        },
     }
 
 
 def usage(traj) -> dict:
     gen = traj.num_generated_tokens
-    return {"prompt_tokens": len(traj.prompt_ids), "completion_tokens": gen, "total_tokens": len(traj.prompt_ids) + gen,
-            "tool_result_tokens": traj.num_tool_tokens}
+    return {
+        "prompt_tokens": len(traj.prompt_ids),
+        "completion_tokens": gen,
+        "total_tokens": len(traj.prompt_ids) + gen,
+        "tool_result_tokens": traj.num_tool_tokens,
+    }
 
 
 def chunk(req: ChatRequest, delta: dict, finish_reason: str | None = None, extra: dict | None = None) -> dict:
-    out = {"id": req.id, "object": "chat.completion.chunk", "created": req.created, "model": req.model,
-           "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
+    out = {
+        "id": req.id,
+        "object": "chat.completion.chunk",
+        "created": req.created,
+        "model": req.model,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+    }
     if extra:
         out.update(extra)
     return out

@@ -22,10 +22,25 @@ _ARITH_START = re.compile(r"^\w+ has (\d+) ")
 _HOP = re.compile(r"the (\w+) of ")
 _FACT = re.compile(r"The (\w+) of (\w+) is (\w+)\.")
 _CALL_RESULT = r"(?:{open_py}|{open_se})(.*?)(?:{close_py}|{close_se}).*?{open_r}(.*?){close_r}".format(
-    open_py=re.escape(protocol.PYTHON[0]), open_se=re.escape(protocol.SEARCH[0]), close_py=re.escape(protocol.PYTHON[1]),
-    close_se=re.escape(protocol.SEARCH[1]), open_r=re.escape(protocol.RESULT[0]), close_r=re.escape(protocol.RESULT[1]))
+    open_py=re.escape(protocol.PYTHON[0]),
+    open_se=re.escape(protocol.SEARCH[0]),
+    close_py=re.escape(protocol.PYTHON[1]),
+    close_se=re.escape(protocol.SEARCH[1]),
+    open_r=re.escape(protocol.RESULT[0]),
+    close_r=re.escape(protocol.RESULT[1]),
+)
 # one step in response order: a retrieved block (groups 1-3) or the expert's own call and its result (groups 4-5)
-_BLOCK = re.compile("(" + re.escape(protocol.RETRIEVE[0]) + ").*?" + _CALL_RESULT + ".*?" + re.escape(protocol.RETRIEVE[1]) + "|" + _CALL_RESULT, re.S)
+_BLOCK = re.compile(
+    "("
+    + re.escape(protocol.RETRIEVE[0])
+    + ").*?"
+    + _CALL_RESULT
+    + ".*?"
+    + re.escape(protocol.RETRIEVE[1])
+    + "|"
+    + _CALL_RESULT,
+    re.S,
+)
 
 
 def arith_plan(question: str) -> tuple[int, list[str]] | None:
@@ -139,7 +154,9 @@ class ScriptedExpertEngine(InferenceEngine):
         if self._err():
             op = re.sub(r"\d+$", lambda m: str(int(m.group(0)) + self.rng.randint(1, 9)), op)
         expr = f"{current} {op}"
-        return f"{protocol.THINK[0]}compute {expr}{protocol.THINK[1]}{protocol.PYTHON[0]}print({expr}){protocol.PYTHON[1]}"
+        return (
+            f"{protocol.THINK[0]}compute {expr}{protocol.THINK[1]}{protocol.PYTHON[0]}print({expr}){protocol.PYTHON[1]}"
+        )
 
     def _multihop_step(self, plan, results, done) -> str:
         rels = plan[1]

@@ -1,0 +1,41 @@
+"""GRPO, ARPO and RAPO, registered by name (rapo_ray/algos/registry.py)."""
+
+from __future__ import annotations
+
+from rapo_ray.algos.group import grpo_group_advantages, rapo_group_advantages
+from rapo_ray.algos.registry import Algorithm, register
+
+
+def _arpo_rollout_settings(algo_cfg) -> dict:
+    a = algo_cfg.arpo
+    return {
+        "arpo_initial": a.initial_rollouts,
+        "arpo_beam_size": a.beam_size,
+        "arpo_tau": a.branch_prob,
+        "arpo_beta": a.entropy_weight,
+        "arpo_entropy_tokens": a.entropy_tokens,
+    }
+
+
+def _rapo_hybrid_slots(algo_cfg) -> int:
+    return algo_cfg.rapo.n_hybrid
+
+
+def _rapo_rollout_settings(algo_cfg) -> dict:
+    return {"retrieve_prob": algo_cfg.rapo.retrieve_prob}
+
+
+GRPO = register(Algorithm("grpo", advantages=grpo_group_advantages))
+# ARPO's default (soft) advantage attribution is plain GRPO over the branched group (spec, ARPO section).
+ARPO = register(
+    Algorithm("arpo", advantages=grpo_group_advantages, rollout_settings=_arpo_rollout_settings, config_section="arpo")
+)
+RAPO = register(
+    Algorithm(
+        "rapo",
+        advantages=rapo_group_advantages,
+        hybrid_slots=_rapo_hybrid_slots,
+        rollout_settings=_rapo_rollout_settings,
+        config_section="rapo",
+    )
+)

@@ -1,0 +1,311 @@
+"""The launcher: the whole Ray topology of a training run in ``run``.
+
+    local Ray (127.0.0.1) or the cluster -> run directory -> warm start -> step-trace buffer in Milvus
+    -> Serve retrieval app -> Trainer (learner group, rollout fleet, weight hub) -> train -> evaluate
+
+One RL step is ``Trainer.step`` (rapo_ray/trainer.py); what is reported is in rapo_ray/reporting.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+import yaml
+
+from rapo_ray.algos.registry import get_algorithm
+from rapo_ray.config import Config, ConfigError, diff_configs, from_dict, save_config
+from rapo_ray.learner import LearnerLost
+from rapo_ray.model import set_torch_threads
+from rapo_ray.net import free_port
+from rapo_ray.reporting import MetricsLog, Progress, before_after_table, fmt_eval, paired_changes, plot_curves
+from rapo_ray.trainer import Trainer, rl_task_pool
+
+# ---------------------------------------------------------------- Ray start-up
+
+
+def init_ray(cfg: Config) -> bool:
+    """Connect to a running cluster (``ray job submit`` sets RAY_ADDRESS) or start a local one on
+    127.0.0.1. Returns True if this process started Ray."""
+    if ray.is_initialized():
+        return False
+    address = cfg.resources.ray_address or os.environ.get("RAY_ADDRESS", "")
+    env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}}
+    if address:
+        _enable_token_auth_if_available()
+        ray.init(address=address, runtime_env=env, log_to_driver=True)
+        return False
+    # A local Ray may oversubscribe logical CPUs: every actor runs one torch thread and the learners and
+    # rollout workers take turns within a step, so 2 learners + 2 workers share a 2-core laptop fine.
+    # Local Ray: loopback only, for Ray itself and for every gloo socket (learners, weight sync).
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env["env_vars"].update(GLOO_SOCKET_IFNAME="lo", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    rc = cfg.resources
+    need = cfg.learner.world_size * rc.cpus_per_learner + cfg.rollout.max_workers * rc.cpus_per_rollout_worker
+    # address='local': never join another Ray that happens to run on this machine (ray.init() without an
+    # address would); joining is what RAY_ADDRESS / resources.ray_address are for.
+    ray.init(
+        address="local",
+        num_cpus=max(os.cpu_count() or 1, int(need + 0.999)),
+        object_store_memory=rc.object_store_mb << 20,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        runtime_env=env,
+        log_to_driver=True,
+    )
+    return True
+
+
+def _enable_token_auth_if_available() -> None:
+    """Ray 2.60 turns token auth on for clusters started on this machine (`ray start --head`), but a driver that
+    connects by address only sends the token when RAY_AUTH_MODE=token. Use the token when one exists."""
+    if os.environ.get("RAY_AUTH_MODE"):
+        return  # explicit choice
+    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def check_resources(cfg: Config) -> None:
+    """Fail before any work if the cluster cannot host the learners and the fleet."""
+    total = ray.cluster_resources()
+    rc = cfg.resources
+    cpus, gpus = total.get("CPU", 0), total.get("GPU", 0)
+    need_gpu = cfg.learner.world_size * rc.gpus_per_learner + cfg.rollout.min_workers * rc.gpus_per_rollout_worker
+    if need_gpu > gpus and not _autoscaling_cluster():
+        raise ConfigError(
+            f"resources: the run needs {need_gpu:g} GPUs (learner.world_size x resources.gpus_per_learner + "
+            f"rollout.min_workers x resources.gpus_per_rollout_worker) but the cluster has {gpus:g}"
+        )
+    need_cpu = cfg.learner.world_size * rc.cpus_per_learner + cfg.rollout.min_workers * rc.cpus_per_rollout_worker
+    if need_cpu > cpus and not _autoscaling_cluster():
+        raise ConfigError(
+            f"resources: learner.world_size={cfg.learner.world_size} x resources.cpus_per_learner="
+            f"{rc.cpus_per_learner:g} + rollout.min_workers={cfg.rollout.min_workers} x "
+            f"resources.cpus_per_rollout_worker={rc.cpus_per_rollout_worker:g} = {need_cpu:g} CPUs, "
+            f"but the cluster has {cpus:g}"
+        )
+
+
+def _serve_running() -> bool:
+    from ray.serve.context import _get_global_client
+
+    return _get_global_client(raise_if_no_controller_running=False) is not None
+
+
+def _autoscaling_cluster() -> bool:
+    return bool(os.environ.get("RAPO_AUTOSCALING_CLUSTER"))
+
+
+# ---------------------------------------------------------------- run directory
+
+
+@dataclass
+class RunDir:
+    path: Path
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def trajectories(self) -> Path:
+        return self.path / "trajectories"
+
+    def latest_checkpoint(self) -> Path | None:
+        done = sorted(p for p in self.checkpoints.glob("step-*") if (p / "COMPLETE").is_file())
+        return done[-1] if done else None
+
+
+def make_run_dir(cfg: Config) -> RunDir:
+    """A new, empty run directory with the config in it; or, with ``checkpoint.resume``, the existing one
+    (refused when its config differs in anything but run/resource fields)."""
+    if cfg.checkpoint.resume:
+        p = Path(cfg.checkpoint.resume)
+        root = p if (p / "config.yaml").is_file() else p.parent.parent
+        if not (root / "config.yaml").is_file():
+            raise ConfigError(f"checkpoint.resume={p}: not a run directory or a checkpoint inside one")
+        old = from_dict(yaml.safe_load((root / "config.yaml").read_text()))
+        diff = diff_configs(
+            old,
+            cfg,
+            ignore=(
+                "checkpoint.",
+                "trainer.total_steps",
+                "run.",
+                "rollout.num_workers",
+                "rollout.engine",
+                "resources.",
+                "serve.",
+            ),
+        )
+        if diff:
+            raise ConfigError(f"cannot resume {root}: config differs in {diff}")
+        return RunDir(root)
+    name = cfg.run.name or f"{cfg.algo.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path = Path(cfg.run.output_dir) / name
+    if path.exists() and any(path.iterdir()):
+        raise ConfigError(f"run directory {path} already exists and is not empty (choose run.name or resume it)")
+    path.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, path / "config.yaml")
+    return RunDir(path)
+
+
+# ---------------------------------------------------------------- services the trainer uses
+
+
+class RetrievalService:
+    """RAPO's step-trace buffer in Milvus (embedded milvus-lite unless ``retrieval.milvus_uri``), built once,
+    behind the Serve app ``retrieval``. ``app`` is None for algorithms without hybrid slots."""
+
+    def __init__(self, cfg: Config, model_dir: Path, log=print):
+        self.app: str | None = None
+        self._server = None
+        self._serve_started = False
+        if get_algorithm(cfg.algo.name).hybrid_slots(cfg.algo) == 0:
+            return
+        from ray import serve
+
+        from rapo_ray.retrieval.buffer import build_buffer, manifest_path
+        from rapo_ray.retrieval.service import build_app
+        from rapo_ray.retrieval.store import MilvusLiteServer
+
+        uri = cfg.retrieval.milvus_uri
+        if not uri:  # embedded default: milvus-lite as a managed child process, shared by URI
+            self._server = MilvusLiteServer(Path(cfg.run.artifacts_dir) / "milvus")
+            uri = self._server.uri
+        pool, _ = rl_task_pool(cfg)
+        report = build_buffer(
+            cfg, str(model_dir), uri, [t for ts in pool.values() for t in ts], manifest_path(cfg), log=log
+        )
+        log(report.table())
+        self._serve_started = not _serve_running()  # a Serve someone else started (a cluster's, a test's) stays up
+        if self._serve_started:
+            serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+        self.app = "retrieval"
+        serve.run(build_app(cfg.retrieval, uri), name=self.app, route_prefix="/retrieve")
+
+    def close(self) -> None:
+        from ray import serve
+
+        if self._serve_started:
+            serve.shutdown()
+        elif self.app is not None:
+            serve.delete(self.app)
+        if self._server is not None:
+            self._server.stop()
+
+
+def starting_policy(cfg: Config, log=print) -> Path:
+    """The given HF folder (``model.path``), or the bundled model's warm start (built once, cached)."""
+    if cfg.model.path:
+        from rapo_ray.model import resolve_model_dir
+
+        return Path(resolve_model_dir(cfg))
+    from rapo_ray.sft import warm_start
+
+    return Path(warm_start(cfg, log=log))
+
+
+# ---------------------------------------------------------------- the launcher: the whole topology
+
+
+def run(cfg: Config, log=print) -> dict:
+    """Warm start -> buffer -> retrieval service -> learners + fleet -> train -> evaluate. Returns the summary."""
+    set_torch_threads(1)
+    started_ray = init_ray(cfg)
+    check_resources(cfg)
+    run_dir = make_run_dir(cfg)
+    log(f"run directory: {run_dir.path}")
+    metrics = MetricsLog(run_dir.path, cfg.run.tensorboard)
+    retrieval = trainer = None
+    try:
+        # 1. starting policy, 2. RAPO's buffer behind Serve, 3. learners + fleet + weight hub
+        model_dir = starting_policy(cfg, log)
+        log(f"starting policy: {model_dir}")
+        retrieval = RetrievalService(cfg, model_dir, log)
+        trainer = Trainer(cfg, model_dir, run_dir.checkpoints, retrieval.app)
+        before_path = run_dir.path / "eval_before.json"
+        resume = run_dir.latest_checkpoint() if cfg.checkpoint.resume else None
+        if resume is not None:
+            trainer.load(resume)
+            log(f"resumed from {resume} at step {trainer.step_idx}")
+            saved = json.loads(before_path.read_text()) if before_path.is_file() else {}
+            before_problems = saved.pop("problems", {})
+            before = saved
+        else:
+            trainer.sync_weights()
+            ev = trainer.evaluate()
+            before, before_problems = ev.metrics, ev.problems
+            before_path.write_text(json.dumps({**before, "problems": before_problems}, indent=1))
+            log("held-out before training: " + fmt_eval(before))
+        # 4. train; a lost learner (node loss) rebuilds the learners and fleet from the last checkpoint
+        failures = 0
+        progress = Progress(cfg.run.progress, cfg.trainer.total_steps, trainer.step_idx, cfg.algo.name, log)
+        while trainer.step_idx < cfg.trainer.total_steps:
+            try:
+                m = trainer.step(run_dir.trajectories)
+                metrics.log(m)
+                step = trainer.step_idx
+                if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step < cfg.trainer.total_steps:
+                    ev = trainer.evaluate().metrics
+                    metrics.log({"step": step, **ev})
+                    m.update(ev)
+                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                    trainer.save()
+            except LearnerLost as exc:
+                failures += 1
+                latest = run_dir.latest_checkpoint()
+                log(f"step {trainer.step_idx + 1} stopped: {exc}; failure {failures}/{cfg.trainer.max_failures}")
+                trainer.shutdown(graceful=False)
+                trainer = None
+                if failures > cfg.trainer.max_failures:
+                    raise RuntimeError(
+                        f"{exc}; gave up after {cfg.trainer.max_failures} rebuilds (trainer.max_failures). The last "
+                        f"checkpoint is {latest}; continue with checkpoint.resume={run_dir.path}"
+                    ) from None
+                trainer = Trainer(cfg, model_dir, run_dir.checkpoints, retrieval.app)  # waits for resources to return
+                if latest is not None:
+                    trainer.load(latest)
+                else:
+                    trainer.sync_weights()
+                log(
+                    f"rebuilt the learners and fleet; resumed at step {trainer.step_idx} from {latest or 'the starting policy'}"
+                )
+                continue
+            progress.update(m)
+        progress.close()
+        # 5. held-out after training, final checkpoint, summary
+        final = trainer.evaluate()
+        after = final.metrics
+        metrics.log({"step": trainer.step_idx, **after})
+        ck = trainer.save()
+        change = paired_changes(before_problems, final.problems)
+        summary = {
+            "run_dir": str(run_dir.path),
+            "checkpoint": str(ck),
+            "steps": trainer.step_idx,
+            "learner_failures": failures,
+            "before": before,
+            "after": after,
+            "paired_change": change,
+            "mean_step_s": metrics.mean("step_s"),
+        }
+        (run_dir.path / "summary.json").write_text(json.dumps(summary, indent=1))
+        plot_curves(run_dir.path, metrics.history)
+        log("held-out after training:  " + fmt_eval(after))
+        log(before_after_table(before, after, change))
+        return summary
+    finally:
+        if trainer is not None:
+            trainer.shutdown()
+        if retrieval is not None:
+            retrieval.close()
+        metrics.close()
+        if started_ray:
+            ray.shutdown()
