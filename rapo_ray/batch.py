@@ -10,10 +10,10 @@ Shapes (B trajectories; ``L_i = len(trajectories[i].response_ids)``; ``S_i`` = g
     rollout                       trajectories       [B]         RolloutFleet.run_step
     old-policy pass               old_logprobs       [B][L_i]    LearnerGroup.forward_old
                                   entropies          [B][L_i]    LearnerGroup.forward_old
-    advantage estimation          step_entropies     [B][S_i]    Algorithm.compute_advantages
-                                  advantage          [B]         Algorithm.compute_advantages
-                                  retrieval_reward   [B]         Algorithm.compute_advantages
-                                  shaping            [B]         Algorithm.compute_advantages
+    advantage estimation          step_entropies     [B][S_i]    data_flow.compute_advantages
+                                  advantage          [B]         data_flow.compute_advantages
+                                  retrieval_reward   [B]         data_flow.compute_advantages
+                                  shaping            [B]         data_flow.compute_advantages
 
 Per-token fields are aligned with ``response_ids`` (0 where ``loss_mask`` is 0 is not guaranteed: only
 masked-in positions are used by the loss). A field is ``None`` until its stage has run.
@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from rapo_ray.agent.trajectory import HYBRID, Trajectory
+from rapo_ray.agent.trajectory import Trajectory
 
 STAGE_FIELDS = ("old_logprobs", "entropies", "step_entropies", "advantage", "retrieval_reward", "shaping")
 
@@ -133,9 +133,6 @@ class TrajectoryBatch:
 
     def rewards(self) -> list[float]:
         return [float(t.reward) for t in self.trajectories]
-
-    def is_hybrid(self) -> list[bool]:
-        return [t.slot_kind == HYBRID for t in self.trajectories]
 
     def advantage_inputs(self) -> dict:
         """Plain columns for the advantage estimators (``rapo_ray.algos.advantage_estimators.ADVANTAGE_INPUTS``);
