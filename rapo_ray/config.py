@@ -8,6 +8,7 @@ Unknown keys and wrong types raise ``ConfigError`` naming the key and listing th
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import types
 import typing
 from dataclasses import dataclass, field
@@ -423,6 +424,20 @@ class RunConfig:
     artifacts_dir: str = _f("artifacts", "Shared artifacts (bundled model, tokenizer, buffer) reused across runs.")
     tensorboard: bool = _f(True, "Write TensorBoard event files.")
     progress: bool = _f(True, "Show a progress bar.")
+    metrics_window: int = _f(10, "Steps in the moving means reported beside the per-step metrics (reward_mean10, ...).")
+    wandb: bool = _f(False, "Also log metrics to Weights & Biases (pip install 'rapo_ray[tracking]').")
+    wandb_project: str = _f("rapo_ray", "W&B project.")
+    wandb_entity: str = _f("", "W&B entity (team or user). Empty: your default entity.")
+    wandb_mode: str = _f(
+        "offline",
+        "offline: write the W&B run under <run>/wandb (upload later with `wandb sync`); online: stream it.",
+        ("offline", "online"),
+    )
+    mlflow: bool = _f(False, "Also log metrics and the config to MLflow (pip install 'rapo_ray[tracking]').")
+    mlflow_tracking_uri: str = _f(
+        "", "MLflow tracking URI (http://host:5000, sqlite:///path.db). Empty: sqlite:///<run>/mlflow.db."
+    )
+    mlflow_experiment: str = _f("rapo_ray", "MLflow experiment name (created if missing).")
 
 
 @dataclass
@@ -558,6 +573,7 @@ class Config:
                 "learner.mini_batch_size and learner.ppo_epochs must be >= 1",
             ),
             (l.lr > 0, f"learner.lr ({l.lr}) must be > 0"),
+            (self.run.metrics_window >= 1, f"run.metrics_window ({self.run.metrics_window}) must be >= 1"),
             (0.0 <= self.retrieval.noise_prob <= 1.0, "retrieval.noise_prob must be in [0, 1]"),
             (
                 1 <= self.retrieval.buffer_keep_top_k <= self.retrieval.buffer_samples_per_question,
@@ -609,6 +625,12 @@ class Config:
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
+        for sink in ("wandb", "mlflow"):  # fail before the warm start, not at the first logged step
+            if getattr(self.run, sink) and importlib.util.find_spec(sink) is None:
+                raise ConfigError(
+                    f"run.{sink}=true needs the {sink} package, which is not installed: "
+                    f"pip install 'rapo_ray[tracking]' (or set run.{sink}=false)"
+                )
         for fam in self.tasks.families:
             if fam not in BUNDLED_FAMILIES:
                 raise ConfigError(f"tasks.families: unknown family {fam!r}; valid: {sorted(BUNDLED_FAMILIES)}")

@@ -222,9 +222,9 @@ def run(cfg: Config, log=print) -> dict:
     check_resources(cfg)
     run_dir = make_run_dir(cfg)
     log(f"run directory: {run_dir.path}")
-    metrics = MetricsLog(run_dir.path, cfg.run.tensorboard)
-    retrieval = trainer = None
+    retrieval = trainer = metrics = None
     try:
+        metrics = MetricsLog(run_dir.path, cfg, log)
         # 1. starting policy, 2. RAPO's buffer behind Serve, 3. learners + fleet + weight hub
         model_dir = starting_policy(cfg, log)
         log(f"starting policy: {model_dir}")
@@ -306,6 +306,7 @@ def run(cfg: Config, log=print) -> dict:
             trainer.shutdown()
         if retrieval is not None:
             retrieval.close()
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
         if started_ray:
             ray.shutdown()

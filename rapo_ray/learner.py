@@ -26,7 +26,22 @@ from rapo_ray.agent.trajectory import Trajectory
 from rapo_ray.algos import PolicyLossConfig, aggregation_denominator, policy_loss, token_entropy_from_logits
 from rapo_ray.batch import TrajectoryBatch
 from rapo_ray.config import Config, from_dict, to_dict
+from rapo_ray.metrics import actor_stats, merge_actor_stats
 from rapo_ray.net import free_port
+
+# How the learner group combines one statistic across ranks (rapo_ray.metrics.merge_actor_stats): per-rank
+# token-weighted means are averaged, loss sums and delivered rows are added.
+RANK_REDUCE = {
+    "clip_frac": "mean",
+    "approx_kl": "mean",
+    "ratio_mean": "mean",
+    "kl_ref": "mean",
+    "grad_norm": "mean",
+    "loss_tokens": "mean",
+    "lr": "mean",
+    "loss_sum": "sum",
+    "rows": "sum",
+}
 
 
 def _collate(batch: TrajectoryBatch, pad_id: int):
@@ -193,12 +208,16 @@ class LearnerWorker:
                 )
                 mbs.append(part if part is not None and len(part) else _filler(self.pad_id))
             minis.append((mbs, denominator))
-        out = self.update(minis)
+        out = self._update(minis)
         out["rows"] = sum(len(r) for r in records)
-        return out
+        return actor_stats(out, RANK_REDUCE)
 
     def update(self, mini_batches: list[tuple[list[TrajectoryBatch], float]]) -> dict:
-        """``mini_batches``: per PPO mini-batch, this rank's micro-batches and the global denominator."""
+        """``mini_batches``: per PPO mini-batch, this rank's micro-batches and the global denominator. Returns
+        this rank's statistics as RLlib stats (``merge_actor_stats`` combines the ranks by ``RANK_REDUCE``)."""
+        return actor_stats(self._update(mini_batches), RANK_REDUCE)
+
+    def _update(self, mini_batches: list[tuple[list[TrajectoryBatch], float]]) -> dict[str, float]:
         stats: dict[str, float] = {}
         n = 0
         for micro_batches, denominator in mini_batches:
@@ -279,7 +298,8 @@ class LearnerWorker:
         full = load_model(path).state_dict()
         opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
         set_model_state_dict(self.model, full, options=opts)
-        blob = torch.load(os.path.join(path, "optimizer.pt"), weights_only=False)
+        # tensors and plain containers only: loading a checkpoint never runs code from it
+        blob = torch.load(os.path.join(path, "optimizer.pt"), weights_only=True)
         set_optimizer_state_dict(self.model, self.opt, blob["optimizer"], options=opts)
         self.sched.load_state_dict(blob["scheduler"])
         return True
@@ -406,8 +426,8 @@ class LearnerGroup:
                     for rank in range(world):
                         per_rank[rank].append((split[rank], denom))
                 stats = _gather([w.update.remote(per_rank[r]) for r, w in enumerate(self.workers)])
-            for k in stats[0]:
-                out[k] = sum(s[k] for s in stats) / world if k != "loss_sum" else sum(s[k] for s in stats)
+            out = merge_actor_stats(stats)  # the last epoch's numbers are reported
+            out.pop("rows", None)  # streaming_split's delivery count, checked in _update_streaming
         return out
 
     def _update_streaming(self, minis: list[TrajectoryBatch], denoms: list[float]) -> list[dict]:
@@ -423,8 +443,11 @@ class LearnerGroup:
         ]
         splits = ray.data.from_arrow(blocks).streaming_split(world, equal=False)  # equal=True would drop rows
         stats = _gather([w.update_from_stream.remote(splits[r], denoms, micro) for r, w in enumerate(self.workers)])
-        if sum(s.pop("rows") for s in stats) != len(flat):
-            raise RuntimeError("streaming_split delivered a different number of rows than the step has")
+        delivered = merge_actor_stats(stats)["rows"]
+        if delivered != len(flat):
+            raise RuntimeError(
+                f"streaming_split delivered {delivered:.0f} rows to the ranks; the epoch has {len(flat)}"
+            )
         return stats
 
     def state_dict(self) -> dict:

@@ -1,5 +1,5 @@
-"""What a run reports: the step's metrics, the metric sinks (metrics.jsonl, TensorBoard), trajectories as
-parquet, the progress bar, the before/after table and the curves plot."""
+"""What a run reports: the step's metrics, the metrics log (metrics.jsonl and the sinks of rapo_ray/sinks.py),
+trajectories as parquet, the progress bar, the before/after table and the curves plot."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from pathlib import Path
 
 from rapo_ray.agent.trajectory import HYBRID
 from rapo_ray.batch import TrajectoryBatch
+from rapo_ray.config import Config
 from rapo_ray.envs.suite import family_of
 from rapo_ray.evaluation import paired_change
+from rapo_ray.sinks import make_sinks, numeric
 
 
 def step_metrics(
@@ -30,6 +32,7 @@ def step_metrics(
     m = {
         "step": step,
         "version": version,
+        "trajectories": len(trajs),
         "reward": _mean(t.reward for t in trajs),
         "accuracy": _mean(float(t.correct) for t in trajs),
         "format_valid": _mean(float(t.format_ok) for t in trajs),
@@ -39,6 +42,7 @@ def step_metrics(
         "generate_s": rollout_stats["generate_s"],
         "tool_s": rollout_stats["tool_s"],
         "retrieve_s": rollout_stats["retrieve_s"],
+        "slowest_chunk_s": rollout_stats.get("slowest_chunk_s", 0.0),  # the straggler that rollout_s waited for
         "rollout_tokens": sum(len(t.response_ids) for t in trajs),
         "generated_tokens": gen_tokens,
         "tool_calls": sum(t.tool_calls for t in trajs),
@@ -73,39 +77,38 @@ def write_trajectories(directory: Path, step: int, batch: TrajectoryBatch) -> No
 
 
 class MetricsLog:
-    """Every metrics dict of a run, in memory (``history``), appended to ``metrics.jsonl`` and, with
-    ``tensorboard``, written as TensorBoard scalars under ``tb/``."""
+    """Every metrics dict of a run: in memory (``history``), appended to ``metrics.jsonl``, and sent to the
+    sinks ``cfg.run`` enables (TensorBoard under ``tb/``, W&B, MLflow; rapo_ray/sinks.py). A sink that fails
+    mid-run is reported through ``log`` once and dropped; the jsonl file is the record."""
 
-    def __init__(self, run_path: Path, tensorboard: bool):
+    def __init__(self, run_path: Path, cfg: Config, log=print):
         self.path = run_path / "metrics.jsonl"
         self.history: list[dict] = []
-        self.tb = _tensorboard(run_path) if tensorboard else None
+        self.sinks = make_sinks(run_path, cfg)
+        self._log = log
 
     def log(self, m: dict) -> None:
         self.history.append(m)
         with open(self.path, "a") as f:
             f.write(json.dumps(m) + "\n")
-        if self.tb is not None:
-            for k, v in m.items():
-                if isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, m.get("step", 0))
-            self.tb.flush()
+        scalars, step = numeric(m), int(m.get("step", 0))
+        for sink in list(self.sinks):
+            try:
+                sink.log(scalars, step)
+            except Exception as exc:
+                self.sinks.remove(sink)
+                self._log(f"metrics sink {sink.name} failed at step {step} and is off for the rest of the run: {exc!r}")
 
     def mean(self, key: str) -> float:
         return _mean(m[key] for m in self.history if key in m)
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
-
-
-def _tensorboard(path: Path):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-
-        return SummaryWriter(str(path / "tb"))
-    except Exception:
-        return None
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as exc:
+                self._log(f"metrics sink {sink.name} did not close cleanly: {exc!r}")
+        self.sinks = []
 
 
 # ---------------------------------------------------------------- held-out results

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import ray
 
 from rapo_ray.batch import TrajectoryBatch
+from rapo_ray.metrics import actor_stats, merge_actor_stats
 
 
 class RolloutWorker:
@@ -81,13 +82,11 @@ class RolloutWorker:
         )
         t0 = time.perf_counter()
         trajs, stats = loop.run_groups([t for _, t in groups], group_size, n_hybrid, group_ids=[g for g, _ in groups])
+        timings = {"generate_s": stats.generate_s, "tool_s": stats.tool_s, "retrieve_s": stats.retrieve_s}
         return {
             "batch": TrajectoryBatch(trajs),
             "worker_id": self.worker_id,
-            "wall_s": time.perf_counter() - t0,
-            "generate_s": stats.generate_s,
-            "tool_s": stats.tool_s,
-            "retrieve_s": stats.retrieve_s,
+            "stats": actor_stats({**timings, "slowest_chunk_s": time.perf_counter() - t0}, {"slowest_chunk_s": "max"}),
         }
 
     # ------------------------------------------------------------ weights
@@ -207,11 +206,14 @@ class RolloutFleet:
         self, groups: list[tuple], group_size: int, n_hybrid: int, seed: int, evaluation: bool = False, on_dispatch=None
     ) -> tuple[TrajectoryBatch, dict]:
         """Roll out every group once. A dead worker's unfinished groups go back to the queue and the worker
-        is replaced. Returns the step's batch, ordered by (group, slot), and per-step stats."""
+        is replaced. Returns the step's batch, ordered by (group, slot), and per-step stats: the workers'
+        ``generate_s``/``tool_s``/``retrieve_s`` summed, ``slowest_chunk_s`` (max), ``requeued_groups`` and
+        ``replaced_workers``."""
         queue = list(groups)
         done: dict[str, TrajectoryBatch] = {}
         inflight: dict[ray.ObjectRef, tuple[int, list[tuple]]] = {}
-        stats = {"generate_s": 0.0, "tool_s": 0.0, "retrieve_s": 0.0, "requeued_groups": 0, "replaced_workers": 0}
+        worker_stats: list[dict] = []
+        lost = {"requeued_groups": 0, "replaced_workers": 0}
         chunk = max(1, math.ceil(len(groups) / max(len(self.workers), 1)))
         while queue or inflight:
             busy = {wid for wid, _ in inflight.values()}
@@ -235,7 +237,7 @@ class RolloutFleet:
                 ray.exceptions.WorkerCrashedError,
             ) as exc:
                 queue = list(take) + queue
-                stats["requeued_groups"] += len(take)
+                lost["requeued_groups"] += len(take)
                 self.workers.pop(wid, None)
                 self.events.append(
                     FleetEvent(
@@ -245,7 +247,7 @@ class RolloutFleet:
                     )
                 )
                 self._start(1)
-                stats["replaced_workers"] += 1
+                lost["replaced_workers"] += 1
                 self.events.append(FleetEvent(time.time(), "replaced", f"worker {wid} replaced"))
                 continue
             chunk_batch: TrajectoryBatch = res["batch"]
@@ -255,11 +257,11 @@ class RolloutFleet:
             for gid, idx in by_group.items():
                 idx.sort(key=lambda i: chunk_batch.trajectories[i].slot)
                 done.setdefault(gid, chunk_batch.select(idx))  # first result wins; a duplicate can never be added twice
-            for k in ("generate_s", "tool_s", "retrieve_s"):
-                stats[k] += res[k]
+            worker_stats.append(res["stats"])
         missing = [g for g, _ in groups if g not in done]
         if missing:
             raise RuntimeError(f"rollout lost groups {missing[:5]}")
+        stats = {"generate_s": 0.0, "tool_s": 0.0, "retrieve_s": 0.0, **merge_actor_stats(worker_stats), **lost}
         return TrajectoryBatch.concat([done[g] for g, _ in groups]), stats
 
     def handles(self) -> list:

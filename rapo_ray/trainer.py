@@ -27,6 +27,7 @@ from rapo_ray.config import Config
 from rapo_ray.data_flow import compute_advantages
 from rapo_ray.envs.suite import family_of, task_difficulty, task_splits
 from rapo_ray.learner import LearnerGroup
+from rapo_ray.metrics import RunMetrics
 from rapo_ray.model import load_tokenizer
 from rapo_ray.reporting import step_metrics, write_trajectories
 from rapo_ray.rollout import RolloutFleet
@@ -51,6 +52,7 @@ class Trainer:
         self.tok = load_tokenizer(model_dir)
         self.train_tasks, self.test_tasks = rl_task_pool(cfg)
         self.step_idx, self.version = 0, 0
+        self.run_metrics = RunMetrics(cfg.run.metrics_window)  # moving means and lifetime totals across steps
         self.rng = random.Random(cfg.trainer.seed)
         self.learners = LearnerGroup(cfg, model_dir)
         self.sync = WeightSync(cfg.sync.bucket_mb)
@@ -113,6 +115,7 @@ class Trainer:
         )
         if inserted is not None:
             m["inserted_steps"] = inserted
+        m.update(self.run_metrics.update(m))
         return m
 
     # ------------------------------------------------------------ pieces of the step
@@ -161,7 +164,8 @@ class Trainer:
         return EvalResult(metrics, {t.problem_id: bool(t.correct) for t in batch})
 
     def save(self) -> Path:
-        """Model (HF) + optimizer + RNG + data position + step + fleet size, written atomically: into a
+        """Model (HF) + optimizer + RNG + data position + step + fleet size + the run's metric windows and
+        totals, written atomically: into a
         temporary folder, renamed when complete, with a COMPLETE marker last."""
         ck = self.checkpoints_dir
         ck.mkdir(exist_ok=True)
@@ -176,6 +180,7 @@ class Trainer:
             "rng": self.rng.getstate(),
             "workers": len(self.fleet.workers),
             "torch_rng": torch.get_rng_state().tolist(),
+            "run_metrics": self.run_metrics.get_state(),
         }
         (tmp / "trainer_state.json").write_text(json.dumps(state, default=list))
         if final.exists():
@@ -195,6 +200,8 @@ class Trainer:
         rs = state["rng"]
         self.rng.setstate((rs[0], tuple(rs[1]), rs[2]))
         torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+        if "run_metrics" in state:  # checkpoints before the windows existed restart them
+            self.run_metrics.set_state(state["run_metrics"])
         self.sync_weights()
         self.fleet.scale(state["workers"])
 

@@ -17,7 +17,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Bottom to top.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("rapo_ray", "rapo_ray.net", "rapo_ray.config", "rapo_ray.agent.protocol", "rapo_ray.algos")),
+    (
+        "foundation",
+        (
+            "rapo_ray",
+            "rapo_ray.net",
+            "rapo_ray.config",
+            "rapo_ray.metrics",
+            "rapo_ray.agent.protocol",
+            "rapo_ray.algos",
+        ),
+    ),
     (
         "types",
         (
@@ -43,7 +53,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     ("pipelines and services", ("rapo_ray.sft", "rapo_ray.retrieval", "rapo_ray.data_flow", "rapo_ray.serving")),
     ("actors", ("rapo_ray.rollout", "rapo_ray.learner", "rapo_ray.sync")),
-    ("trainer", ("rapo_ray.trainer", "rapo_ray.reporting")),
+    ("trainer", ("rapo_ray.trainer", "rapo_ray.reporting", "rapo_ray.sinks")),
     ("launcher", ("rapo_ray.launcher", "rapo_ray.plan", "rapo_ray.cli")),
 ]
 

@@ -97,6 +97,7 @@ def test_kl_penalty_pulls_the_policy_back_to_the_starting_model(ray_session, fle
     from rapo_ray.agent.trajectory import Trajectory
     from rapo_ray.batch import TrajectoryBatch
     from rapo_ray.learner import LearnerWorker
+    from rapo_ray.metrics import merge_actor_stats
     from rapo_ray.net import free_port
 
     cfg = replace(
@@ -124,11 +125,11 @@ def test_kl_penalty_pulls_the_policy_back_to_the_starting_model(ray_session, fle
         batch.old_logprobs = [logp for logp, _ in old]
         batch.advantage, batch.shaping = [1.0 if i % 2 else -1.0 for i in range(4)], [1.0] * 4
         denominator = float(sum(len(t.loss_mask) for t in trajs))
-        push = ray.get(actor.update.remote([([batch], denominator)]))
+        push = merge_actor_stats([ray.get(actor.update.remote([([batch], denominator)]))])
         assert push["kl_ref"] == pytest.approx(0.0, abs=1e-7)  # the first forward is the reference itself
         moved = ray.get(actor.forward_old.remote([batch]))
         batch.old_logprobs, batch.advantage = [logp for logp, _ in moved], [0.0] * 4
-        kls = [ray.get(actor.update.remote([([batch], denominator)]))["kl_ref"] for _ in range(4)]
+        kls = [merge_actor_stats([ray.get(actor.update.remote([([batch], denominator)]))])["kl_ref"] for _ in range(4)]
         assert kls[0] > 1e-4 and kls[-1] < 0.5 * kls[0]
     finally:
         ray.get(actor.shutdown.remote())
@@ -236,12 +237,20 @@ def test_end_to_end_rapo_and_resume_is_exact(ray_session, warm_cfg):
     # prompts sometimes gave every group one constant reward, i.e. zero advantages and no update to compare
     base = replace(cfg, algo=replace(cfg.algo, name="grpo"), trainer=replace(cfg.trainer, prompts_per_step=4))
     straight = run(replace(base, run=replace(base.run, name="straight")), log=lambda *_: None)
-    first = run(
-        replace(base, trainer=replace(base.trainer, total_steps=1), run=replace(base.run, name="resumed")),
-        log=lambda *_: None,
+    # the resumed run also logs to MLflow (sqlite in the run folder): one MLflow run across the resume
+    tracked = replace(base.run, name="resumed", mlflow=True)
+    first = run(replace(base, trainer=replace(base.trainer, total_steps=1), run=tracked), log=lambda *_: None)
+    resumed = run(
+        replace(base, run=tracked, checkpoint=replace(base.checkpoint, resume=first["run_dir"])), log=lambda *_: None
     )
-    resumed = run(replace(base, checkpoint=replace(base.checkpoint, resume=first["run_dir"])), log=lambda *_: None)
     a, b = _final_weights(straight), _final_weights(resumed)
+    steps = [m for m in map(json.loads, open(f"{resumed['run_dir']}/metrics.jsonl")) if "reward" in m]
+    assert [m["lifetime/trajectories"] for m in steps] == [16, 32]  # the run's totals went through the checkpoint
+    from mlflow.tracking import MlflowClient
+
+    mlflow_id = Path(resumed["run_dir"], "mlflow_run_id").read_text().strip()
+    client = MlflowClient(tracking_uri=f"sqlite:///{Path(resumed['run_dir']).resolve() / 'mlflow.db'}")
+    assert [m.step for m in client.get_metric_history(mlflow_id, "reward")] == [1, 2]
     init = load_model(warm_start(base)).state_dict()
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
     assert max((a[k] - init[k]).abs().max().item() for k in a) > 0  # the steps really changed the weights
