@@ -153,9 +153,17 @@ class RolloutConfig:
     tool_timeout_s: float = _f(5.0, "Wall-clock limit of one python tool call.")
     python_sandbox: str = _f(
         "fork_server",
-        "How python tool calls get their isolated process: fork_server (long-lived isolated servers fork a fresh "
-        "child per call) or subprocess (a new python per call, much slower). Same isolation and limits.",
+        "How python tool calls start: fork_server (long-lived servers fork each call) or subprocess (a new python per "
+        "call, ~50 ms slower). Same code per call, same isolation, limits and results.",
         ("fork_server", "subprocess"),
+    )
+    python_isolation: str = _f(
+        "namespaces",
+        "What isolates a python call: namespaces (its own PID, mount, network and IPC namespaces and root; nothing it "
+        "starts outlives it; needs root or unprivileged user namespaces, else the run stops saying so) or process "
+        "(weaker, opt-in for machines without namespaces: rlimits, a private folder, a process-group kill). "
+        "docs/SANDBOX.md.",
+        ("namespaces", "process"),
     )
     tool_output_chars: int = _f(512, "Tool output is truncated to this many characters.")
     threads_per_worker: int = _f(

@@ -54,7 +54,7 @@ def build_tools(tasks_cfg, rollout_cfg, search_index, max_concurrency: int = 2) 
         output_chars=rollout_cfg.tool_output_chars,
     )
     return ToolSet(
-        PythonSandbox(limits, max_concurrency, mode=rollout_cfg.python_sandbox),
+        PythonSandbox(limits, max_concurrency, mode=rollout_cfg.python_sandbox, isolation=rollout_cfg.python_isolation),
         SearchTool(search_index, 3, rollout_cfg.tool_output_chars),
         max_concurrency,
     )

@@ -6,11 +6,11 @@ as a ``ToolResult`` with ``ok=False`` and a short error text, which the loop sho
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import os
 import re
-import resource
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,7 +26,7 @@ from rapo_ray.agent.environment import ToolResult
 from rapo_ray.envs import rewards
 
 RUNNER = Path(__file__).with_name("sandbox_runner.py")
-NOBODY = 65534
+log = logging.getLogger("rapo_ray.sandbox")
 
 
 @dataclass
@@ -36,58 +36,92 @@ class SandboxLimits:
     memory_mb: int = 512  # RLIMIT_AS
     max_processes: int = 16  # RLIMIT_NPROC (enforced for the unprivileged user)
     file_size_mb: float = 1.0  # RLIMIT_FSIZE: bounds stdout and any file the code writes
+    work_mb: int = 16  # the call's private tmpfs (namespaces isolation): all its files together
     output_chars: int = 512  # what the model sees
 
 
-def _probe_isolation() -> list[str]:
-    """Command prefix that adds a network namespace and drops to ``nobody`` where this process may."""
-    if os.geteuid() != 0:
-        return []
-    prefix = []
-    if shutil.which("unshare") and subprocess.run(["unshare", "--net", "true"], capture_output=True).returncode == 0:
-        prefix = ["unshare", "--net", "--"]
-    if shutil.which("setpriv"):
-        prefix += ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--"]
-    return prefix
+class SandboxUnavailable(RuntimeError):
+    """The machine cannot give a call the isolation asked for; the message says what is missing."""
+
+
+_PROBED: dict[tuple, str] = {}  # (euid, config) -> "" (works) or why not: probed once per process
 
 
 class PythonSandbox:
-    """Runs model-written python in a separate, limited process; a thread pool runs calls concurrently.
+    """Runs model-written python in a call of its own; a thread pool runs calls concurrently.
 
-    Isolation: rlimits (CPU time, address space, processes, file size), a private temporary working
-    directory, a wall-clock timeout that kills the whole process group, an audit hook in the child that
-    refuses writes outside its directory, sockets and new processes, and where this process is root, a
-    network namespace with no interfaces plus an unprivileged user (so RLIMIT_NPROC applies).
+    ``isolation="namespaces"`` (default): every call gets its own PID, mount and IPC namespaces (network, UTS
+    and cgroup ones per server), a root of its own (the host's /usr and python library read-only, a private
+    tmpfs /work), and runs under a uid of its own (or capability-less in a user namespace when not started as
+    root). When the call returns, every process it started is gone and nothing it wrote is left
+    (rapo_ray/envs/sandbox_runner.py; docs/SANDBOX.md says what is and is not guaranteed). A machine that
+    refuses namespaces gets ``SandboxUnavailable`` at construction, naming what is missing.
+    ``isolation="process"`` is the opt-in weaker mode for such machines (rlimits, a private host folder, a uid of
+    its own when root, the audit hook, a process-group kill after each call), announced in the log.
 
-    ``mode="fork_server"`` (default) keeps isolated server processes (``sandbox_runner.py --serve``, started
-    under the same namespace and user) that fork a fresh child per call; ``mode="subprocess"`` starts
-    a new python per call. Same isolation, same results; the fork costs ~1 ms where a python start-up
-    costs ~50 ms, which summed to most of a rollout's tool time.
+    ``mode="fork_server"`` (default) keeps server processes that fork each call; ``mode="subprocess"`` starts
+    a python per call (~50 ms more). Both run a call through the same code and give the same results.
     """
 
     MODES = ("fork_server", "subprocess")
+    ISOLATIONS = ("namespaces", "process")
 
-    def __init__(self, limits: SandboxLimits | None = None, max_concurrency: int = 4, mode: str = "fork_server"):
+    def __init__(
+        self,
+        limits: SandboxLimits | None = None,
+        max_concurrency: int = 4,
+        mode: str = "fork_server",
+        isolation: str = "namespaces",
+    ):
         if mode not in self.MODES:
             raise ValueError(f"python sandbox mode {mode!r}; valid: {', '.join(self.MODES)}")
+        if isolation not in self.ISOLATIONS:
+            raise ValueError(f"python sandbox isolation {isolation!r}; valid: {', '.join(self.ISOLATIONS)}")
         self.limits = limits or SandboxLimits()
-        self.mode = mode
+        self.mode, self.isolation = mode, isolation
+        self._config = self._runner_config()
+        if isolation == "namespaces":
+            self._require_namespaces()
+        else:
+            log.warning(
+                "python sandbox: isolation=process (opt-in, weaker): a call shares this machine's process, "
+                "mount and network view; a process it detaches with setsid can outlive it"
+            )
         self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="pysandbox")
-        self._prefix = _probe_isolation()
         self._lock = threading.Lock()
         self._idle_servers: list[_ForkServer] = []
         self._servers: list[_ForkServer] = []
         self._closed = False
 
-    def _preexec(self):
+    def _runner_config(self) -> str:
         lim = self.limits
-        resource.setrlimit(resource.RLIMIT_CPU, (lim.cpu_s, lim.cpu_s + 1))
-        mem = lim.memory_mb << 20
-        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-        fsize = int(lim.file_size_mb * (1 << 20))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-        resource.setrlimit(resource.RLIMIT_NPROC, (lim.max_processes, lim.max_processes))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        return json.dumps(
+            {
+                "isolation": self.isolation,
+                "cpu_s": lim.cpu_s,
+                "memory_mb": lim.memory_mb,
+                "file_size_mb": lim.file_size_mb,
+                "max_processes": lim.max_processes,
+                "work_mb": max(lim.work_mb, math.ceil(lim.file_size_mb * 2) + 1),
+                "read_bytes": lim.output_chars * 4 + 1024,
+            }
+        )
+
+    def _command(self, flag: str) -> list[str]:
+        return [sys.executable, "-I", "-S", str(RUNNER), flag, self._config]
+
+    def _require_namespaces(self) -> None:
+        key = (os.geteuid(), self._config)
+        if key not in _PROBED:
+            proc = subprocess.run(self._command("--probe"), capture_output=True, text=True, env=self._env(), timeout=60)
+            _PROBED[key] = "" if proc.returncode == 0 else (proc.stdout + proc.stderr).strip() or "unknown error"
+        if _PROBED[key]:
+            raise SandboxUnavailable(
+                f"python sandbox: this machine refused the namespaces a call runs in ({_PROBED[key]}). Run as root, "
+                "allow unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1; on Ubuntu "
+                "24.04+ also kernel.apparmor_restrict_unprivileged_userns=0), or opt into the weaker "
+                "rollout.python_isolation=process"
+            )
 
     def run(self, code: str) -> ToolResult:
         import time
@@ -116,37 +150,27 @@ class PythonSandbox:
         return ToolResult(self._cut(stdout.rstrip("\n")), True, elapsed)
 
     def _run_subprocess(self, code: str) -> tuple[int, bool, str, str]:
-        work = Path(tempfile.mkdtemp(prefix="rapo_py_"))
+        proc = subprocess.Popen(
+            self._command("--once"),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=self._env(),
+            cwd=tempfile.gettempdir(),
+            start_new_session=True,
+        )
+        request = json.dumps({"code": code, "timeout_s": self.limits.timeout_s}).encode()
         try:
-            if self._prefix:
-                os.chown(work, NOBODY, NOBODY)
-            (work / "main.py").write_text(code)
-            out_path, err_path = work / "stdout.txt", work / "stderr.txt"
-            with open(out_path, "wb") as out, open(err_path, "wb") as err:
-                if self._prefix:
-                    os.chown(out_path, NOBODY, NOBODY)
-                    os.chown(err_path, NOBODY, NOBODY)
-                cmd = self._prefix + [sys.executable, "-I", "-S", str(RUNNER), "main.py"]
-                proc = subprocess.Popen(
-                    cmd,
-                    cwd=work,
-                    stdout=out,
-                    stderr=err,
-                    stdin=subprocess.DEVNULL,
-                    env=self._env(work),
-                    preexec_fn=self._preexec,
-                    start_new_session=True,
-                )
-                timed_out = False
-                try:
-                    proc.wait(timeout=self.limits.timeout_s)
-                except subprocess.TimeoutExpired:
-                    timed_out = True
-                    self._kill_group(proc)
-                    proc.wait()
-            return proc.returncode, timed_out, self._read(out_path), self._read(err_path)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+            # the runner enforces the timeout on the call; this one only guards against a hung runner
+            out, err = proc.communicate(request, timeout=self.limits.timeout_s + 10)
+        except subprocess.TimeoutExpired:
+            self._kill_group(proc)
+            proc.wait()
+            raise RuntimeError(f"python sandbox runner (pid {proc.pid}) did not answer") from None
+        if proc.returncode != 0 or not out:
+            raise RuntimeError(f"python sandbox runner exited {proc.returncode}: {err.decode(errors='replace')[-300:]}")
+        reply = json.loads(out)
+        return reply["rc"], reply["timed_out"], reply["stdout"], reply["stderr"]
 
     def _run_forked(self, code: str) -> tuple[int, bool, str, str]:
         with self._lock:
@@ -157,10 +181,7 @@ class PythonSandbox:
                 self._servers.remove(server)
                 server = None
         if server is None:
-            server = _ForkServer(
-                self._prefix + [sys.executable, "-I", "-S", str(RUNNER), "--serve", self._server_limits()],
-                self._env(Path(tempfile.gettempdir())),
-            )
+            server = _ForkServer(self._command("--serve"), self._env())
             with self._lock:
                 self._servers.append(server)
         try:
@@ -175,30 +196,12 @@ class PythonSandbox:
             self._idle_servers.append(server)
         return reply["rc"], reply["timed_out"], reply["stdout"], reply["stderr"]
 
-    def _server_limits(self) -> str:
-        import json
-
-        lim = self.limits
-        return json.dumps(
-            {
-                "cpu_s": lim.cpu_s,
-                "memory_mb": lim.memory_mb,
-                "file_size_mb": lim.file_size_mb,
-                "max_processes": lim.max_processes,
-                "read_bytes": lim.output_chars * 4 + 1024,
-            }
-        )
-
     @staticmethod
-    def _env(home: Path) -> dict:
-        return {"PATH": "/usr/bin:/bin", "PYTHONIOENCODING": "utf-8", "HOME": str(home), "OMP_NUM_THREADS": "1"}
+    def _env() -> dict:
+        return {"PATH": "/usr/bin:/bin", "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1"}
 
     def submit(self, code: str):
         return self.pool.submit(self.run, code)
-
-    def _read(self, path: Path) -> str:
-        with open(path, "rb") as f:
-            return f.read(self.limits.output_chars * 4 + 1024).decode("utf-8", "replace")
 
     def _cut(self, text: str) -> str:
         n = self.limits.output_chars
