@@ -312,6 +312,13 @@ class _Supervisor:
         return json.loads(raw)
 
 
+def _become(uid: int) -> None:
+    """Switch to ``uid`` (and the same gid, no supplementary groups) for good: root leaves no capability."""
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+
+
 def _die_with_parent(parent: int | None) -> None:
     """SIGKILL this process when its parent dies (a killed server takes its call down, and a killed supervisor
     the call's whole PID namespace). ``parent``: its pid, to catch a parent that died before this line (None
@@ -343,9 +350,7 @@ def _call_process(code: str, cfg: dict) -> None:
         _die_with_parent(None)  # the supervisor
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
         if cfg["drop_to"] is not None:
-            os.setgroups([])
-            os.setresgid(cfg["drop_to"], cfg["drop_to"], cfg["drop_to"])
-            os.setresuid(cfg["drop_to"], cfg["drop_to"], cfg["drop_to"])  # leaves no capability
+            _become(cfg["drop_to"])
         else:
             _drop_capabilities()  # root of a user namespace: uid 0 there, no capabilities
         _check(_c().prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
@@ -373,9 +378,7 @@ def _call_in_process(code: str, timeout_s: float, cfg: dict) -> dict:
                 _die_with_parent(server)
                 os.setsid()
                 if cfg["drop_to"] is not None:
-                    os.setgroups([])
-                    os.setresgid(cfg["drop_to"], cfg["drop_to"], cfg["drop_to"])
-                    os.setresuid(cfg["drop_to"], cfg["drop_to"], cfg["drop_to"])
+                    _become(cfg["drop_to"])
             except BaseException:
                 os._exit(125)
             _run_code(code, work, cfg)
