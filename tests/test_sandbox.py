@@ -71,22 +71,37 @@ RACES = {"infinite loop", "output planter"}
 
 
 def _call_processes() -> set[int]:
-    """PIDs of live processes a call could have left: anything under a call uid or running ``sleep 31337``."""
+    """PIDs of live processes a call could have left: anything under a call uid or running ``sleep 31337``,
+    except a server's spare (the next call's process, made ahead, waiting for its code: a child of a server).
+    A call's own processes are never a server's children: its PID 1 is reaped before its reply, and everything
+    else it starts lives below that PID 1."""
+
+    def status_of(pid) -> str:
+        return Path(f"/proc/{pid}/status").read_text()
+
+    def is_server(pid) -> bool:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"sandbox_runner.py" in cmd and _uid(status_of(pid)) < CALL_UID_BASE
+
     out = set()
     for p in Path("/proc").iterdir():
         if not p.name.isdigit():
             continue
         try:
-            status = (p / "status").read_text()
-            uid = int(status.split("\nUid:")[1].split()[0])
+            status = status_of(p.name)
+            uid = _uid(status)
             cmd = (p / "cmdline").read_bytes()
+            if "\nState:\tZ" in status:  # dead, waiting for its (re)parent to reap it
+                continue
+            if (uid >= CALL_UID_BASE or b"31337" in cmd) and not is_server(status.split("\nPPid:")[1].split()[0]):
+                out.add(int(p.name))
         except (OSError, IndexError):
             continue
-        if "\nState:\tZ" in status:  # dead, waiting for its (re)parent to reap it
-            continue
-        if uid >= CALL_UID_BASE or b"31337" in cmd:
-            out.add(int(p.name))
     return out
+
+
+def _uid(status: str) -> int:
+    return int(status.split("\nUid:")[1].split()[0])
 
 
 def _training_tools(mode):

@@ -9,17 +9,19 @@
 Both modes run a call through ``run_call``: the same code, so the same result for the same program.
 
 isolation "namespaces" (the default).
-  server      at start: new mount, network (no interfaces), UTS and cgroup namespaces; builds the calls' root on
-              a tmpfs (the host's /usr, /lib*, /bin symlinks and the python's lib folder read-only, /dev/{null,
-              zero,urandom}, /proc, an empty /work), pivot_roots into it and detaches the host's tree. Started
-              unprivileged, it first enters a user namespace.
-  supervisor  per call, forked from the server: new mount, PID and IPC namespaces; a size-limited tmpfs on
-              /work (the only writable place); forks the call process and waits for it (killing it at the
-              timeout); reads the output from /work; exits, which frees every mount of the call.
-  call        PID 1 of the new PID namespace: mounts its /proc, drops to a uid of its own (as root) or every
-              capability (in a user namespace), sets no_new_privs and the rlimits, closes inherited
-              descriptors, runs the code. When it ends, however it ends, the kernel kills every process left
-              in its PID namespace: nothing a call starts outlives it.
+  server      at start: continues as PID 1 of a new PID namespace; new mount, network (no interfaces), UTS and
+              cgroup namespaces; builds the calls' root on a tmpfs (the host's /usr, /lib*, /bin symlinks and the
+              python's lib folder read-only, /dev/{null,zero,urandom}, /proc, an empty /work), pivot_roots into
+              it and detaches the host's tree. Started unprivileged, it first enters a user namespace.
+  call        one fork per call, made ahead (a spare waits between calls): the server unshares new mount, PID
+              and IPC namespaces, mounts a size-limited tmpfs on /work (the only writable place), keeps a
+              descriptor of it, forks the call process and setns-es straight back to its own namespaces. The
+              call process is PID 1 of the new PID namespace: it mounts its /proc, drops to a uid of its own (as
+              root) or every capability (in a user namespace), sets no_new_privs, the rlimits and its stdio,
+              closes inherited descriptors, then reads its code from a pipe and runs it. The server waits for it
+              (killing it at the timeout) and reads its output through the /work descriptor. When PID 1 ends,
+              however it ends, the kernel kills every process left in its PID namespace (nothing a call starts
+              outlives it), and closing the descriptor frees its /work.
 isolation "process" (opt-in, for machines that refuse namespaces): the call is forked directly into a private
   host temp folder, under a uid of its own when root, with the rlimits and the audit hook; its process group is killed
   after it returns, which a ``setsid`` escapes. Weaker; tools.py announces it.
@@ -103,7 +105,9 @@ CALL_NAMESPACES = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC
 # Per server: network, UTS, cgroup. A server runs one call at a time and every process of a call is dead before
 # the next starts; what outlives processes in these namespaces (addresses, routes, filters, hostname) needs
 # capabilities no call has. So they separate calls as well as per-call ones would, for ~0.5-2.5 ms less a call.
-SERVER_NAMESPACES = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWUTS | CLONE_NEWCGROUP
+# And a mount and an IPC namespace of the server's own: the ones it returns to after each call's fork (setns needs
+# capabilities over them, which a server in a user namespace has only for namespaces made inside it).
+SERVER_NAMESPACES = CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWUTS | CLONE_NEWCGROUP
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 1, 2, 4, 8, 32, 4096
 MS_NOATIME, MS_NODIRATIME, MS_RELATIME, MS_REC, MS_PRIVATE = 1024, 2048, 1 << 21, 16384, 1 << 18
 MNT_DETACH, PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP = 2, 1, 38, 24
@@ -240,76 +244,75 @@ def _reply(rc: int, timed_out: bool, stdout: str = "", stderr: str = "") -> dict
     return {"rc": rc, "timed_out": timed_out, "stdout": stdout, "stderr": stderr}
 
 
-def run_call(code: str, timeout_s: float, cfg: dict, supervisor: "_Supervisor | None" = None) -> dict:
-    """One call, isolated as ``cfg["isolation"]`` says (namespaces: in ``supervisor``, a ready one, or a new
-    one); never raises."""
+def run_call(code: str, timeout_s: float, cfg: dict, ready: "_CallProcess | None" = None) -> dict:
+    """One call, isolated as ``cfg["isolation"]`` says (namespaces: in ``ready``, a call process set up ahead, or
+    a new one); never raises."""
     try:
         if cfg["isolation"] == "namespaces":
-            return (supervisor or _Supervisor(cfg)).run(code, timeout_s)
+            return (ready or _CallProcess(cfg)).run(code, timeout_s)
         return _call_in_process(code, timeout_s, cfg)
     except Exception as exc:
         return _reply(1, False, stderr=f"sandbox: {type(exc).__name__}: {exc}")
 
 
-class _Supervisor:
-    """A forked process that makes a call's namespaces and /work, then waits for the call's code. The server
-    keeps one ready between calls, so a call does not wait for that set-up. Never returns into the server."""
+class _CallProcess:
+    """The server's handle on one call: a process forked into new mount, PID and IPC namespaces (PID 1 of its PID
+    namespace) with a private tmpfs on /work, which drops its privileges, sets its limits and then waits for its
+    code on a pipe. The server keeps one ready between calls, so a call waits for none of that set-up.
+
+    One fork per call: the server itself moves into the new namespaces for the fork and straight back
+    (``setns`` to the descriptors ``_prepare`` kept), holding on to the call's /work through a descriptor that
+    outlives the call's mount namespace; so no supervisor process is needed between the server and the call."""
 
     def __init__(self, cfg: dict):
-        import json
-
-        req_r, self.req_w = os.pipe()
-        self.rep_r, rep_w = os.pipe()
-        server = os.getpid()
-        self.pid = os.fork()
-        if self.pid:
-            os.close(req_r)
-            os.close(rep_w)
-            return
+        self.read_bytes = cfg["read_bytes"]
+        code_r, self.code_w = os.pipe()
+        self.work = -1
         try:
-            _die_with_parent(server)
-            os.close(self.req_w)
-            os.close(self.rep_r)
-            null = os.open(os.devnull, os.O_RDWR)
-            os.dup2(null, 0)  # the server's request and reply pipes are the server's alone
-            os.dup2(null, 1)
+            _unshare(CALL_NAMESPACES)  # the server's mount and IPC namespaces, and its next child's PID namespace
             try:
-                _enter_call_namespaces(cfg)
-                not_ready = None
-            except BaseException as exc:
-                not_ready = f"sandbox: {type(exc).__name__}: {exc}"
-            with os.fdopen(req_r, "rb") as f:
-                raw = f.read()
-            if not raw:  # the server closed without a call for us
-                os._exit(0)
-            req = json.loads(raw)
-            try:
-                if not_ready:
-                    raise RuntimeError(not_ready)
-                reply = _supervise(req["code"], float(req["timeout_s"]), cfg)
-            except BaseException as exc:
-                reply = _reply(1, False, stderr=f"sandbox: {type(exc).__name__}: {exc}")
-            data = json.dumps(reply).encode()
-            while data:
-                data = data[os.write(rep_w, data) :]
+                _mount("tmpfs", "/work", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['work_mb']}m,mode=700")
+                if cfg["drop_to"] is not None:
+                    os.chown("/work", cfg["drop_to"], cfg["drop_to"])
+                self.work = os.open("/work", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                self.pid = os.fork()
+                if self.pid == 0:
+                    _call_process(code_r, cfg)  # never returns
+            finally:
+                for flag, fd in cfg["home_namespaces"]:  # back home whatever happened; a server that cannot must stop
+                    if _c().setns(fd, flag) != 0:
+                        why = os.strerror(__import__("ctypes").get_errno())
+                        os.write(2, f"sandbox: could not return to the server's namespace {flag:#x}: {why}\n".encode())
+                        os._exit(70)
+        except BaseException:
+            for fd in (self.code_w, self.work):
+                if fd >= 0:
+                    os.close(fd)
+            raise
         finally:
-            os._exit(0)
+            os.close(code_r)
 
     def run(self, code: str, timeout_s: float) -> dict:
-        import json
+        import time
 
+        deadline = time.monotonic() + timeout_s  # from before the code is sent, as the caller's clock does
         try:
-            data = json.dumps({"code": code, "timeout_s": timeout_s}).encode()
-            while data:
-                data = data[os.write(self.req_w, data) :]
+            _write_all(self.code_w, code.encode("utf-8", "surrogatepass"))  # a lone surrogate fails in compile
+        except BrokenPipeError:
+            pass  # the call process is gone (it could not isolate itself): its exit code and stderr say why
         finally:
-            os.close(self.req_w)
-        with os.fdopen(self.rep_r, "rb") as f:
-            raw = f.read()
-        _, status = os.waitpid(self.pid, 0)
-        if not raw:
-            return _reply(1, False, stderr=f"sandbox: the call's supervisor died (status {status})")
-        return json.loads(raw)
+            os.close(self.code_w)
+        try:
+            rc, timed_out = _wait(self.pid, max(0.0, deadline - time.monotonic()), kill=lambda: os.kill(self.pid, 9))
+            # PID 1 is gone, so is every process of its namespace; its /work is still open here
+            return _reply(rc, timed_out, *_read_outputs(self.work, self.read_bytes))
+        finally:
+            os.close(self.work)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data) :]
 
 
 def _become(uid: int) -> None:
@@ -320,34 +323,18 @@ def _become(uid: int) -> None:
 
 
 def _die_with_parent(parent: int | None) -> None:
-    """SIGKILL this process when its parent dies (a killed server takes its call down, and a killed supervisor
-    the call's whole PID namespace). ``parent``: its pid, to catch a parent that died before this line (None
-    inside a new PID namespace, where the parent has no pid)."""
+    """SIGKILL this process when its parent dies (a killed server takes its call down, and with it the call's
+    whole PID namespace). ``parent``: its pid, to catch a parent that died before this line (None inside a new
+    PID namespace, where the parent has no pid)."""
     _check(_c().prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0), "pdeathsig")
     if parent is not None and os.getppid() != parent:
         os._exit(1)
 
 
-def _enter_call_namespaces(cfg: dict) -> None:
-    _unshare(CALL_NAMESPACES)
-    _mount("tmpfs", "/work", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['work_mb']}m,mode=700")
-    if cfg["drop_to"] is not None:
-        os.chown("/work", cfg["drop_to"], cfg["drop_to"])
-
-
-def _supervise(code: str, timeout_s: float, cfg: dict) -> dict:
-    """In the supervisor, inside the call's namespaces: run the call process, then read its output."""
-    pid = os.fork()
-    if pid == 0:
-        _call_process(code, cfg)  # never returns
-    rc, timed_out = _wait(pid, timeout_s, kill=lambda: os.kill(pid, 9))  # PID 1 dies: its namespace dies with it
-    return _reply(rc, timed_out, *_read_outputs("/work", cfg["read_bytes"]))
-
-
-def _call_process(code: str, cfg: dict) -> None:
-    """PID 1 of the call's PID namespace: its /proc, its hostname, no privileges; then the code. Never returns."""
+def _call_process(code_fd: int, cfg: dict) -> None:
+    """PID 1 of the call's PID namespace: its /proc, no privileges; then the code. Never returns."""
     try:
-        _die_with_parent(None)  # the supervisor
+        _die_with_parent(None)  # the server
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
         if cfg["drop_to"] is not None:
             _become(cfg["drop_to"])
@@ -355,11 +342,12 @@ def _call_process(code: str, cfg: dict) -> None:
             _drop_capabilities()  # root of a user namespace: uid 0 there, no capabilities
         _check(_c().prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
     except BaseException as exc:
-        try:
-            os.write(2, f"sandbox: could not isolate the call: {exc}\n".encode())
+        message = f"sandbox: could not isolate the call: {type(exc).__name__}: {exc}\n".encode()
+        try:  # into the call's stderr, so the reply says why
+            os.write(os.open("/work/stderr.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), message)
         finally:
             os._exit(125)
-    _run_code(code, "/work", cfg)
+    _run_code(code_fd, "/work", cfg)
 
 
 def _call_in_process(code: str, timeout_s: float, cfg: dict) -> dict:
@@ -396,9 +384,10 @@ def _call_in_process(code: str, timeout_s: float, cfg: dict) -> dict:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _run_code(code: str, work: str, cfg: dict) -> None:
-    """In the call process, after isolation: limits, private stdio, the audit hook, then the code. Never
-    returns."""
+def _run_code(code: "str | int", work: str, cfg: dict) -> None:
+    """In the call process, after isolation: limits, private stdio, a clean environment; then the code (``code``,
+    or read from the descriptor ``code`` until its end: a spare call process gets this far before its call
+    exists), the audit hook, and ``exec``. Never returns."""
     global WORK
     rc = 1
     try:
@@ -422,12 +411,19 @@ def _run_code(code: str, work: str, cfg: dict) -> None:
         for fd, name in ((1, "stdout.txt"), (2, "stderr.txt")):
             os.dup2(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-        os.closerange(3, 65536)  # the server's pipes and anything else inherited
-        os.environ.clear()
-        os.environ.update({"HOME": WORK, "TMPDIR": WORK, "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
+        keep = code if isinstance(code, int) else 65536
+        os.closerange(3, keep)  # the server's pipes and anything else inherited
+        os.closerange(keep + 1, 65536)
+        env = _call_environment(WORK)
+        if os.environ != env:  # a namespaces server set it up front (rewriting it here costs ~0.5 ms a call)
+            os.environ.clear()
+            os.environ.update(env)
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", write_through=True)
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8", write_through=True)
         sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
+        if isinstance(code, int):
+            with os.fdopen(code, "rb") as f:
+                code = f.read().decode("utf-8", "surrogatepass")
         try:
             compiled = compile(code, "<python>", "exec")
             sys.addaudithook(_hook)
@@ -442,6 +438,11 @@ def _run_code(code: str, work: str, cfg: dict) -> None:
         sys.stderr.flush()
     finally:
         os._exit(rc)
+
+
+def _call_environment(work: str) -> dict:
+    """All a call's code sees of the environment: no host variable (secrets) reaches it."""
+    return {"HOME": work, "TMPDIR": work, "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
 
 
 def _wait(pid: int, timeout_s: float, kill):
@@ -470,11 +471,14 @@ def _wait(pid: int, timeout_s: float, kill):
             os.close(pidfd)
 
 
-def _read_outputs(work: str, limit: int) -> tuple[str, str]:
+def _read_outputs(work: "str | int", limit: int) -> tuple[str, str]:
+    """The call's stdout and stderr (up to ``limit`` bytes each) from its working folder: a path, or a descriptor
+    of the folder."""
     texts = []
     for name in ("stdout.txt", "stderr.txt"):
         try:
-            with open(os.path.join(work, name), "rb") as f:
+            fd = os.open(name, os.O_RDONLY, dir_fd=work) if isinstance(work, int) else os.open(_join(work, name), 0)
+            with open(fd, "rb") as f:
                 texts.append(f.read(limit).decode("utf-8", "replace"))
         except OSError:
             texts.append("")
@@ -512,8 +516,31 @@ def _prepare(cfg: dict) -> dict:
         cfg["read_only"] = [p for p in ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin") if os.path.lexists(p)]
         if not any(base_lib == p or base_lib.startswith(p + "/") for p in cfg["read_only"] if not os.path.islink(p)):
             cfg["read_only"].append(base_lib)  # the interpreter's standard library (pyenv, conda: outside /usr)
+        _enter_server_pid_namespace()
         _build_jail(cfg)
+        os.environ.clear()
+        os.environ.update(_call_environment("/work"))  # every call's, set once
+        # where _CallProcess returns to after each call's fork (/proc here is the host's, bound in by _build_jail)
+        cfg["home_namespaces"] = [
+            (flag, os.open(f"/proc/self/ns/{name}", os.O_RDONLY | os.O_CLOEXEC))
+            for flag, name in ((CLONE_NEWNS, "mnt"), (CLONE_NEWIPC, "ipc"), (CLONE_NEWPID, "pid"))
+        ]
     return cfg
+
+
+def _enter_server_pid_namespace() -> None:
+    """Go on as PID 1 of a PID namespace of this server's own, the parent of every call's. A call's fork needs the
+    server's children to go to a new PID namespace and the server's next ones back to its own: ``setns`` may do
+    that only with capabilities over the PID namespace, which a server in a user namespace has only over one
+    its user namespace owns. The process that started waits here and exits with the server's exit code; a
+    server's exit ends every process below it."""
+    _unshare(CLONE_NEWPID)
+    pid = os.fork()
+    if pid:
+        _, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        os._exit(code if code >= 0 else 128 - code)
+    _die_with_parent(None)
 
 
 def serve(cfg: dict) -> None:
@@ -521,20 +548,21 @@ def serve(cfg: dict) -> None:
 
     cfg = _prepare(cfg)
     out = sys.stdout.buffer
-    spare = _spare_supervisor(cfg)
+    spare = _spare_call(cfg)
     for line in sys.stdin.buffer:
         req = json.loads(line)
         reply = run_call(req["code"], float(req["timeout_s"]), cfg, spare)
         out.write(json.dumps(reply).encode() + b"\n")
         out.flush()
-        spare = _spare_supervisor(cfg)  # the next call's, set up while the caller reads this reply
+        spare = _spare_call(cfg)  # the next call's, set up while the caller reads this reply
+    # stdin closed: this server exits, and a spare call process with it (PID 1 of the server's PID namespace)
 
 
-def _spare_supervisor(cfg: dict) -> "_Supervisor | None":
+def _spare_call(cfg: dict) -> "_CallProcess | None":
     if cfg["isolation"] != "namespaces":
         return None
     try:
-        return _Supervisor(cfg)
+        return _CallProcess(cfg)
     except OSError:  # e.g. no process slot free right now: the next call makes its own
         return None
 
@@ -551,7 +579,7 @@ def probe(cfg: dict) -> int:
     try:
         cfg = _prepare(cfg)
     except OSError as exc:
-        print(f"cannot create a user namespace: {exc}")
+        print(f"cannot set up the server's namespaces: {exc}")
         return 1
     reply = run_call("print(1)", 10.0, cfg)
     if reply["rc"] == 0 and reply["stdout"].strip() == "1":
