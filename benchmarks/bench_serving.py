@@ -93,7 +93,9 @@ def main() -> int:
     from rapo_ray.envs.suite import task_splits
     from rapo_ray.serving.app import build_agent_app, resolve_checkpoint
 
-    cfg = load_config(overrides=["serve.model_name=agent", "serve.max_ongoing_requests=64"] + args.overrides)
+    # one replica unless overridden: the engine counters below come from /health, i.e. from one replica
+    base_overrides = ["serve.model_name=agent", "serve.max_ongoing_requests=64", "serve.min_replicas=1"]
+    cfg = load_config(overrides=base_overrides + ["serve.max_replicas=1"] + args.overrides)
     _, test = task_splits(cfg.tasks)
     questions = [t for pair in zip(*test.values()) for t in pair]  # interleave the families
     ray.init(

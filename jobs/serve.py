@@ -48,6 +48,17 @@ def main(argv=None) -> int:
         return 2
     started_ray = init_ray(cfg)
     sc = cfg.serve
+    if started_ray:  # a local machine: as many replicas as its CPUs hold (a cluster's autoscaler adds nodes)
+        fit = max(1, int(ray.cluster_resources().get("CPU", 1) // max(sc.num_cpus, 1e-9)))
+        if fit < sc.min_replicas:
+            print(
+                f"serve.min_replicas={sc.min_replicas} x serve.num_cpus={sc.num_cpus:g} does not fit this machine's "
+                f"CPUs: serving with {fit} replica(s); a replica's death then fails its requests in flight",
+                flush=True,
+            )
+            cfg.serve.min_replicas = fit
+            cfg.serve.max_replicas = fit
+            app = build_agent_app(cfg, args.checkpoint)
     try:
         serve.start(http_options={"host": sc.host, "port": sc.port})
         serve.run(app, name=sc.app_name, route_prefix=sc.route_prefix)

@@ -54,5 +54,9 @@ def train_main(argv=None) -> int:
         return 0
     from rapo_ray.launcher import run
 
-    run(cfg)
+    try:
+        run(cfg)
+    except ConfigError as exc:  # bad input found after parsing (a run folder, a resume, the cluster's resources)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0

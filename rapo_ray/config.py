@@ -187,6 +187,11 @@ class RetrievalConfig:
     pooling: str = _f("last", "Embedding pooling: last token (RAPO's index code) or mean.", ("last", "mean"))
     query_max_chars: int = _f(1300, "Keep only the last N characters of the query/key text (spec §2).")
     top_k: int = _f(3, "Results the service returns per query; the rollout uses top-1.")
+    timeout_s: float = _f(
+        30.0,
+        "A rollout's retrieval that takes longer (or fails: a replica died) gives that slot a policy step instead, "
+        "counted as retrieval_errors; the run goes on while Serve replaces the replica.",
+    )
     max_batch_size: int = _f(256, "Serve batching: max queries per batch.")
     batch_wait_ms: float = _f(
         5.0, "Serve batching: max wait to fill a batch (every rollout turn that retrieves pays up to this)."
@@ -337,6 +342,7 @@ class LearnerConfig:
 class SyncConfig:
     backend: str = _f("auto", "ray.util.collective backend for weight broadcast.", ("auto", "gloo", "nccl"))
     bucket_mb: float = _f(32.0, "Broadcast bucket size in MiB.")
+    timeout_s: float = _f(600.0, "A weight push (group forming, staging, broadcast) that takes longer stops the run.")
 
 
 @dataclass
@@ -475,8 +481,13 @@ class ServeConfig:
         "", "Custom engine: 'module:function' called as f(model_dir, tokenizer, **engine_kwargs) -> InferenceEngine."
     )
     engine_kwargs: dict = _f({}, "Keyword arguments for serve.engine_factory.")
-    min_replicas: int = _f(1, "Autoscaling lower bound.")
-    max_replicas: int = _f(1, "Autoscaling upper bound.")
+    min_replicas: int = _f(
+        2,
+        "Autoscaling lower bound. Two, so that a replica's death fails no request (the router retries it on the "
+        "other); jobs/serve.py lowers it to what a local machine's CPUs hold, and says so.",
+    )
+    max_replicas: int = _f(2, "Autoscaling upper bound.")
+    retries: int = _f(2, "Times the router sends a request again when its replica died before answering.")
     target_ongoing_requests: int = _f(16, "Autoscaling target of in-flight requests per replica.")
     max_ongoing_requests: int = _f(64, "Requests one replica accepts at once (each runs its tool loop in a thread).")
     num_cpus: float = _f(1.0, "CPUs per replica.")
@@ -583,6 +594,7 @@ class Config:
             (l.lr > 0, f"learner.lr ({l.lr}) must be > 0"),
             (self.run.metrics_window >= 1, f"run.metrics_window ({self.run.metrics_window}) must be >= 1"),
             (0.0 <= self.retrieval.noise_prob <= 1.0, "retrieval.noise_prob must be in [0, 1]"),
+            (self.retrieval.timeout_s > 0, f"retrieval.timeout_s ({self.retrieval.timeout_s}) must be > 0"),
             (
                 1 <= self.retrieval.buffer_keep_top_k <= self.retrieval.buffer_samples_per_question,
                 "retrieval.buffer_keep_top_k must be in [1, buffer_samples_per_question]",
@@ -591,6 +603,7 @@ class Config:
                 1 <= self.serve.min_replicas <= self.serve.max_replicas,
                 f"serve.min_replicas ({self.serve.min_replicas}) must be in [1, serve.max_replicas={self.serve.max_replicas}]",
             ),
+            (self.serve.retries >= 0, f"serve.retries ({self.serve.retries}) must be >= 0"),
             (
                 0 < self.serve.default_max_tokens <= self.serve.max_tokens,
                 f"serve.default_max_tokens ({self.serve.default_max_tokens}) must be in (0, serve.max_tokens={self.serve.max_tokens}]",

@@ -17,7 +17,9 @@ from pathlib import Path
 import ray
 import yaml
 
+from rapo_ray import ray_reaper
 from rapo_ray.algos.registry import get_algorithm
+from rapo_ray.checkpoints import newest_complete
 from rapo_ray.config import Config, ConfigError, diff_configs, from_dict, save_config
 from rapo_ray.learner import LearnerLost
 from rapo_ray.model import set_torch_threads
@@ -58,7 +60,12 @@ def init_ray(cfg: Config) -> bool:
         runtime_env=env,
         log_to_driver=True,
     )
+    global _reaper
+    _reaper = ray_reaper.watch(ray._private.worker._global_node.get_session_dir_path())  # the Ray goes with us
     return True
+
+
+_reaper = None  # the local Ray's reaper (rapo_ray/ray_reaper.py), referenced for the driver's lifetime
 
 
 def _enable_token_auth_if_available() -> None:
@@ -117,14 +124,20 @@ class RunDir:
     def trajectories(self) -> Path:
         return self.path / "trajectories"
 
-    def latest_checkpoint(self) -> Path | None:
-        done = sorted(p for p in self.checkpoints.glob("step-*") if (p / "COMPLETE").is_file())
-        return done[-1] if done else None
+    def create(self, cfg: Config) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.path / "config.yaml")
+
+    def latest_checkpoint(self, warn=print) -> Path | None:
+        """The newest complete checkpoint (its files match its manifest); newer broken ones are skipped with a
+        warning. ``CheckpointError`` if there are checkpoints and none is complete."""
+        return newest_complete(self.checkpoints, warn)
 
 
-def make_run_dir(cfg: Config) -> RunDir:
-    """A new, empty run directory with the config in it; or, with ``checkpoint.resume``, the existing one
-    (refused when its config differs in anything but run/resource fields)."""
+def make_run_dir(cfg: Config, create: bool = True) -> RunDir:
+    """A new, empty run directory with the config in it (``create=False``: checked, made later by
+    ``RunDir.create``); or, with ``checkpoint.resume``, the existing one (refused when its config differs in
+    anything but run/resource fields)."""
     if cfg.checkpoint.resume:
         p = Path(cfg.checkpoint.resume)
         root = p if (p / "config.yaml").is_file() else p.parent.parent
@@ -151,9 +164,10 @@ def make_run_dir(cfg: Config) -> RunDir:
     path = Path(cfg.run.output_dir) / name
     if path.exists() and any(path.iterdir()):
         raise ConfigError(f"run directory {path} already exists and is not empty (choose run.name or resume it)")
-    path.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, path / "config.yaml")
-    return RunDir(path)
+    run_dir = RunDir(path)
+    if create:
+        run_dir.create(cfg)
+    return run_dir
 
 
 # ---------------------------------------------------------------- services the trainer uses
@@ -218,9 +232,19 @@ def starting_policy(cfg: Config, log=print) -> Path:
 def run(cfg: Config, log=print) -> dict:
     """Warm start -> buffer -> retrieval service -> learners + fleet -> train -> evaluate. Returns the summary."""
     set_torch_threads(1)
+    # the run directory, a resume's config and its checkpoint are checked before any process starts (and a
+    # new run's folder is made only once the cluster can host the run)
+    run_dir = make_run_dir(cfg, create=False)
+    resume = run_dir.latest_checkpoint(log) if cfg.checkpoint.resume else None
     started_ray = init_ray(cfg)
-    check_resources(cfg)
-    run_dir = make_run_dir(cfg)
+    try:
+        check_resources(cfg)
+    except BaseException:
+        if started_ray:
+            ray.shutdown()
+        raise
+    if not cfg.checkpoint.resume:
+        run_dir.create(cfg)
     log(f"run directory: {run_dir.path}")
     retrieval = trainer = metrics = None
     try:
@@ -231,7 +255,6 @@ def run(cfg: Config, log=print) -> dict:
         retrieval = RetrievalService(cfg, model_dir, log)
         trainer = Trainer(cfg, model_dir, run_dir.checkpoints, retrieval.app)
         before_path = run_dir.path / "eval_before.json"
-        resume = run_dir.latest_checkpoint() if cfg.checkpoint.resume else None
         if resume is not None:
             trainer.load(resume)
             log(f"resumed from {resume} at step {trainer.step_idx}")
@@ -260,7 +283,7 @@ def run(cfg: Config, log=print) -> dict:
                     trainer.save()
             except LearnerLost as exc:
                 failures += 1
-                latest = run_dir.latest_checkpoint()
+                latest = run_dir.latest_checkpoint(log)
                 log(f"step {trainer.step_idx + 1} stopped: {exc}; failure {failures}/{cfg.trainer.max_failures}")
                 trainer.shutdown(graceful=False)
                 trainer = None

@@ -48,6 +48,7 @@ def step_metrics(
         "tool_calls": sum(t.tool_calls for t in trajs),
         "retrievals": sum(t.num_retrievals for t in trajs),
         "retrieval_fallbacks": sum(t.retrieval_fallbacks for t in trajs),
+        "retrieval_errors": sum(t.retrieval_errors for t in trajs),
         "retrieved_token_fraction": _mean(t.retrieved_fraction for t in trajs),
         "entropy": _mean(ent_means),
         "retrieval_reward": _mean(z for t, z in zip(trajs, batch.retrieval_reward) if t.num_retrievals),

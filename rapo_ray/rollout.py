@@ -18,6 +18,9 @@ import ray
 from rapo_ray.batch import TrajectoryBatch
 from rapo_ray.metrics import actor_stats, merge_actor_stats
 
+# what a call to a dead (killed, crashed, node lost) rollout worker raises
+WORKER_DIED = (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError, ray.exceptions.WorkerCrashedError)
+
 
 class RolloutWorker:
     def __init__(self, worker_id: int, model_dir: str, cfg_dict: dict, retrieval_app: str | None = None):
@@ -55,6 +58,7 @@ class RolloutWorker:
                 cfg.retrieval.question_scope,
                 seed=cfg.trainer.seed + 1000 + worker_id,
                 max_chars=cfg.retrieval.query_max_chars,
+                timeout_s=cfg.retrieval.timeout_s,
             )
         self.train_settings = LoopSettings.from_config(cfg)
         self.eval_settings = LoopSettings.from_config(cfg, evaluation=True)
@@ -194,6 +198,28 @@ class RolloutFleet:
                 ray.kill(w)
             self.events.append(FleetEvent(time.time(), "scale_down", f"-{cur - n} -> {n}"))
 
+    def replace_dead(self, during: str, timeout_s: float = 30.0) -> int:
+        """Ping every worker; replace each one that is dead, or that does not answer within ``timeout_s`` (killed
+        first: an idle worker answers in milliseconds). The new ones get the current weights from
+        ``weights_source`` before they take work. For phases outside ``run_step`` (weight sync), which must not
+        fail the run for a worker that died while idle. Returns how many were replaced."""
+        pings = {self.workers[w].ready.remote(): w for w in sorted(self.workers)}
+        dead = []
+        for ref, wid in pings.items():
+            try:
+                ray.get(ref, timeout=timeout_s)
+            except WORKER_DIED:
+                dead.append((wid, "found dead"))
+            except ray.exceptions.GetTimeoutError:
+                ray.kill(self.workers[wid])
+                dead.append((wid, f"did not answer in {timeout_s:.0f} s"))
+        for wid, why in dead:
+            self.workers.pop(wid, None)
+            self.events.append(FleetEvent(time.time(), "replaced", f"worker {wid} {why} during {during}"))
+        if dead:
+            self._start(len(dead))
+        return len(dead)
+
     def autoscale(self, backlog_groups: int, groups_per_worker: int = 2) -> int:
         """Backlog policy: one worker per ``groups_per_worker`` queued groups, within [min, max]."""
         want = math.ceil(backlog_groups / max(groups_per_worker, 1)) if backlog_groups else self.cfg.rollout.min_workers
@@ -231,11 +257,7 @@ class RolloutFleet:
             wid, take = inflight.pop(ref)
             try:
                 res = ray.get(ref)
-            except (
-                ray.exceptions.RayActorError,
-                ray.exceptions.ActorDiedError,
-                ray.exceptions.WorkerCrashedError,
-            ) as exc:
+            except WORKER_DIED as exc:
                 queue = list(take) + queue
                 lost["requeued_groups"] += len(take)
                 self.workers.pop(wid, None)

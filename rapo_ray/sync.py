@@ -95,18 +95,29 @@ class WeightHub:
 class WeightSync:
     """Driver-side helper: (re)builds the group for the current fleet and pushes a versioned state dict."""
 
-    def __init__(self, bucket_mb: float = 32.0):
+    def __init__(self, bucket_mb: float = 32.0, timeout_s: float = 600.0):
+        self.bucket_mb, self.timeout_s = bucket_mb, timeout_s
+        self.generation = 0
+        self.prefix = f"rapo_weights_{uuid.uuid4().hex[:8]}"  # unique per run: no stale rendezvous state
+        self.last_ms = 0.0
+        self.hub = self._new_hub()
+        self.members: tuple = ()
+
+    @staticmethod
+    def _new_hub():
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         # on the driver's node (the head under `ray job submit`): anywhere else, losing that node would take the
         # hub down mid-push, which the cluster simulation's learner-node loss did (ActorDiedError: WeightHub)
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self.hub = WeightHub.options(scheduling_strategy=here).remote()
-        self.bucket_mb = bucket_mb
-        self.members: tuple = ()
-        self.generation = 0
-        self.prefix = f"rapo_weights_{uuid.uuid4().hex[:8]}"  # unique per run: no stale rendezvous state
-        self.last_ms = 0.0
+        return WeightHub.options(scheduling_strategy=here).remote()
+
+    def reset(self) -> None:
+        """After a failed push: a new hub (the old one may sit in a broadcast with a dead member), and the group
+        is rebuilt at the next push."""
+        ray.kill(self.hub)
+        self.hub = self._new_hub()
+        self.members = ()
 
     def _ensure_group(self, workers: list) -> str:
         key = tuple(w._actor_id.hex() for w in workers)
@@ -115,9 +126,10 @@ class WeightSync:
             self.generation += 1
             name = f"{self.prefix}_{self.generation}"
             world = len(workers) + 1
-            ray.get(
+            self._get(
                 [self.hub.join.remote(world, name)]
-                + [w.join_collective.remote(world, i + 1, name) for i, w in enumerate(workers)]
+                + [w.join_collective.remote(world, i + 1, name) for i, w in enumerate(workers)],
+                "forming the group",
             )
             self.members = key
         return name
@@ -125,8 +137,17 @@ class WeightSync:
     def push(self, state_dict: dict, version: int, workers: list) -> float:
         t0 = time.perf_counter()
         name = self._ensure_group(workers)
-        spec, numels = ray.get(self.hub.stage.remote(state_dict, self.bucket_mb))
+        spec, numels = self._get(self.hub.stage.remote(state_dict, self.bucket_mb), "staging")
         recv = [w.receive_broadcast.remote(spec, numels, version, name) for w in workers]
-        ray.get([self.hub.broadcast.remote()] + recv)
+        self._get([self.hub.broadcast.remote()] + recv, "broadcasting")
         self.last_ms = (time.perf_counter() - t0) * 1000
         return self.last_ms
+
+    def _get(self, refs, what: str):
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(
+                f"weight push: {what} took more than {self.timeout_s:.0f} s (sync.timeout_s); a rollout worker or the "
+                "weight hub is stuck"
+            ) from None

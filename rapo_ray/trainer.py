@@ -10,6 +10,7 @@ Every stage reads and fills the same ``TrajectoryBatch`` (rapo_ray/batch.py). Th
 from __future__ import annotations
 
 import json
+import logging
 import random
 import shutil
 import time
@@ -23,6 +24,7 @@ from rapo_ray.agent.retriever import steps_of
 from rapo_ray.agent.trajectory import HYBRID
 from rapo_ray.algos.registry import get_algorithm
 from rapo_ray.batch import TrajectoryBatch
+from rapo_ray.checkpoints import problem, write_manifest
 from rapo_ray.config import Config
 from rapo_ray.data_flow import compute_advantages
 from rapo_ray.envs.suite import family_of, task_difficulty, task_splits
@@ -30,9 +32,11 @@ from rapo_ray.learner import LearnerGroup
 from rapo_ray.metrics import RunMetrics
 from rapo_ray.model import load_tokenizer
 from rapo_ray.reporting import step_metrics, write_trajectories
-from rapo_ray.rollout import RolloutFleet
+from rapo_ray.rollout import WORKER_DIED, RolloutFleet
 from rapo_ray.sft import sft_span
 from rapo_ray.sync import WeightSync
+
+log = logging.getLogger("rapo_ray.trainer")
 
 
 @dataclass
@@ -55,7 +59,7 @@ class Trainer:
         self.run_metrics = RunMetrics(cfg.run.metrics_window)  # moving means and lifetime totals across steps
         self.rng = random.Random(cfg.trainer.seed)
         self.learners = LearnerGroup(cfg, model_dir)
-        self.sync = WeightSync(cfg.sync.bucket_mb)
+        self.sync = WeightSync(cfg.sync.bucket_mb, cfg.sync.timeout_s)
         self._latest_weights: dict | None = None
         self.fleet = RolloutFleet(
             model_dir, cfg, retrieval_app, weights_source=lambda: (self._latest_weights, self.version)
@@ -95,7 +99,7 @@ class Trainer:
         # 6. weight sync to every rollout engine
         t0 = time.perf_counter()
         self.version += 1
-        self.sync_weights()
+        rollout_stats["replaced_workers"] += self.sync_weights()
         seconds["sync_s"] = time.perf_counter() - t0
         self.step_idx += 1
         # 7. optional buffer growth, trajectories to parquet, metrics
@@ -114,7 +118,8 @@ class Trainer:
             workers=len(self.fleet.workers),
         )
         if inserted is not None:
-            m["inserted_steps"] = inserted
+            m["inserted_steps"] = max(inserted, 0)
+            m["insert_errors"] = int(inserted < 0)
         m.update(self.run_metrics.update(m))
         return m
 
@@ -130,7 +135,8 @@ class Trainer:
         return out
 
     def _insert_on_policy(self, batch: TrajectoryBatch) -> int:
-        """RAPO's optional buffer growth: steps of successful on-policy trajectories go into the buffer."""
+        """RAPO's optional buffer growth: steps of successful on-policy trajectories go into the buffer. Returns
+        how many were stored, -1 when the service failed (counted as ``insert_errors``)."""
         from ray import serve
 
         good = [
@@ -141,12 +147,23 @@ class Trainer:
         steps = [asdict(st) for t in good for st in steps_of(self.tok, t, source="on_policy")]
         if not steps:
             return 0
-        return serve.get_deployment_handle("StepRetriever", app_name=self.retrieval_app).insert.remote(steps).result()
+        handle = serve.get_deployment_handle("StepRetriever", app_name=self.retrieval_app)
+        try:
+            return handle.insert.remote(steps).result(timeout_s=self.cfg.retrieval.timeout_s)
+        except Exception as exc:  # a dead replica or a timeout: this step's steps are not added; the run goes on
+            log.warning(
+                "buffer insertion failed (%s: %s); step %d's steps were not added",
+                type(exc).__name__,
+                exc,
+                self.step_idx,
+            )
+            return -1
 
-    def sync_weights(self) -> None:
-        """Push the learners' current weights to every rollout engine, stamped with ``self.version``."""
+    def sync_weights(self) -> int:
+        """Push the learners' current weights to every rollout engine, stamped with ``self.version``. Returns
+        how many dead rollout workers were replaced on the way (``push_weights``)."""
         self._latest_weights = self.learners.state_dict()
-        self.sync.push(self._latest_weights, self.version, self.fleet.handles())
+        return push_weights(self.sync, self.fleet, self._latest_weights, self.version)
 
     # ------------------------------------------------------------ evaluation and checkpoints
 
@@ -165,8 +182,8 @@ class Trainer:
 
     def save(self) -> Path:
         """Model (HF) + optimizer + RNG + data position + step + fleet size + the run's metric windows and
-        totals, written atomically: into a
-        temporary folder, renamed when complete, with a COMPLETE marker last."""
+        totals, written atomically: into a temporary folder with a manifest of every file's size and hash last,
+        then renamed into place."""
         ck = self.checkpoints_dir
         ck.mkdir(exist_ok=True)
         final = ck / f"step-{self.step_idx:06d}"
@@ -183,11 +200,12 @@ class Trainer:
             "run_metrics": self.run_metrics.get_state(),
         }
         (tmp / "trainer_state.json").write_text(json.dumps(state, default=list))
+        write_manifest(tmp)  # last: a resume trusts only folders whose files match it (rapo_ray/checkpoints.py)
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
         (final / "COMPLETE").write_text("ok\n")
-        done = sorted(p for p in ck.glob("step-*") if (p / "COMPLETE").is_file())
+        done = sorted(p for p in ck.glob("step-*") if problem(p, hashes=False) is None)
         for old in done[: max(0, len(done) - self.cfg.checkpoint.keep_last)]:
             shutil.rmtree(old, ignore_errors=True)
         return final
@@ -210,6 +228,21 @@ class Trainer:
         self.fleet.shutdown()
         ray.kill(self.sync.hub)
         self.learners.shutdown(graceful)
+
+
+def push_weights(sync: WeightSync, fleet: RolloutFleet, state_dict: dict, version: int) -> int:
+    """Push ``state_dict`` as ``version`` to every rollout worker. A worker that died outside a rollout (during
+    the old-logprob pass, the update, an evaluation's end) must not end the run: dead workers are replaced first
+    (a new one starts with these weights, ``RolloutFleet.weights_source``), and a push that still meets a
+    dead worker is retried once on a new hub and group after replacing it. Returns the number replaced."""
+    replaced = fleet.replace_dead("weight sync")
+    try:
+        sync.push(state_dict, version, fleet.handles())
+    except WORKER_DIED:  # died between the check and the push, or during it
+        sync.reset()  # first: the live workers may sit in the failed broadcast until its hub goes
+        replaced += fleet.replace_dead("weight sync")
+        sync.push(state_dict, version, fleet.handles())
+    return replaced
 
 
 def check_staleness(batch: TrajectoryBatch, version: int, algo_cfg) -> None:

@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rapo_ray.net",
             "rapo_ray.config",
             "rapo_ray.metrics",
+            "rapo_ray.checkpoints",
             "rapo_ray.agent.protocol",
             "rapo_ray.algos",
         ),
@@ -54,7 +55,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("pipelines and services", ("rapo_ray.sft", "rapo_ray.retrieval", "rapo_ray.data_flow", "rapo_ray.serving")),
     ("actors", ("rapo_ray.rollout", "rapo_ray.learner", "rapo_ray.sync")),
     ("trainer", ("rapo_ray.trainer", "rapo_ray.reporting", "rapo_ray.sinks")),
-    ("launcher", ("rapo_ray.launcher", "rapo_ray.plan", "rapo_ray.cli")),
+    ("launcher", ("rapo_ray.launcher", "rapo_ray.plan", "rapo_ray.cli", "rapo_ray.ray_reaper")),
 ]
 
 

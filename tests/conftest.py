@@ -24,6 +24,8 @@ def tiny_config(tmp_dir, *overrides):
         f"run.artifacts_dir={tmp_dir}",
         *TINY_OVERRIDES,
         "rollout.max_response_tokens=192",
+        "serve.min_replicas=1",  # the suite's Ray has 6 CPUs for every app; the replica-death test asks for 2
+        "serve.max_replicas=1",
     ]
     return load_config(overrides=base + list(overrides))
 

@@ -475,6 +475,62 @@ def test_empty_buffer_falls_back_and_counts(tiny_cfg, tiny_tokenizer, tools):
     assert all(t.num_retrievals == 0 and t.retrieval_fallbacks >= 1 and t.correct for t in trajs)
 
 
+@pytest.mark.parametrize("schedule", ["lockstep", "per_trajectory"])
+def test_a_failed_retrieval_degrades_the_slot_and_is_counted(tiny_cfg, tiny_tokenizer, tools, schedule):
+    """The retrieval service failing (a dead replica, a timeout: ``RetrievalFailed``) costs only that retrieval:
+    the slot takes a policy step instead, counted in ``retrieval_errors``; the rollout goes on (issue #22: the
+    error used to escape the loop and the fleet replaced a healthy worker)."""
+    from rapo_ray.agent.retriever import RetrievalFailed
+
+    class DownRetriever:
+        calls = 0
+
+        def retrieve(self, queries, question_ids=None):
+            DownRetriever.calls += 1
+            raise RetrievalFailed("ActorDiedError: the replica died")
+
+    _, test = task_splits(tiny_cfg.tasks)
+    loop = AgentLoop(
+        ScriptedExpertEngine(tiny_tokenizer),
+        tiny_tokenizer,
+        tools,
+        settings(retrieve_prob=1.0, schedule=schedule),
+        retriever=DownRetriever(),
+    )
+    trajs, _ = loop.run_groups(test["arith"][:2], group_size=2, n_hybrid=1)
+    hybrid = [t for t in trajs if t.slot_kind == "hybrid"]
+    assert DownRetriever.calls >= 1 and all(t.finished and t.correct for t in trajs)
+    assert all(t.num_retrievals == 0 and t.retrieval_errors >= 1 and t.retrieval_fallbacks == 0 for t in hybrid)
+    assert sum(t.retrieval_errors for t in hybrid) == sum(t.num_generated_steps - 1 for t in hybrid)
+
+
+def test_the_serve_retriever_turns_any_call_failure_into_retrieval_failed():
+    from rapo_ray.agent.retriever import RetrievalFailed
+    from rapo_ray.retrieval.service import HandleStepRetriever
+
+    class Response:
+        def __init__(self, exc):
+            self.exc = exc
+
+        def result(self, timeout_s=None):
+            assert timeout_s == 2.5  # the configured timeout reaches the handle
+            raise self.exc
+
+    class Method:
+        def __init__(self, exc):
+            self.exc = exc
+
+        def remote(self, *args):
+            return Response(self.exc)
+
+    for exc in (TimeoutError("no answer"), RuntimeError("ActorDiedError: the actor died unexpectedly")):
+        handle = type("Handle", (), {"retrieve": Method(exc), "sample": Method(exc)})()
+        retriever = HandleStepRetriever(handle, timeout_s=2.5)
+        with pytest.raises(RetrievalFailed, match=type(exc).__name__):
+            retriever.retrieve(["a history"])
+        assert retriever.failures == 1
+
+
 class RandomEngine(InferenceEngine):
     name = "random"
 

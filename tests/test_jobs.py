@@ -76,3 +76,43 @@ def test_evaluate_checkpoint_on_bundled_and_a_data_file(ray_session, tiny_cfg, t
     with pytest.raises(SystemExit, match="is not 'bundled', a file, or a folder"):
         evaluate_job.main(["--checkpoint", str(tiny_model_dir), "--datasets", "nope.jsonl"] + overrides)
     assert evaluate_job.main(["--checkpoint", str(tmp_path / "missing")] + overrides) == 2
+
+
+def test_a_killed_driver_takes_its_local_ray_with_it(tmp_path):
+    """Issue #22: after a driver SIGKILL the local Ray's dashboard and runtime-env agents outlived it (30 s+).
+    ``init_ray`` now starts ``rapo_ray/ray_reaper.py`` beside the Ray it starts; killing the driver ends every
+    process of that Ray session within the reaper's grace and SIGTERM wait."""
+    import os
+    import signal
+    import time
+
+    from rapo_ray.ray_reaper import GRACE_S, TERM_WAIT_S, session_processes
+
+    driver = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time, ray\n"
+            "from rapo_ray.config import Config\n"
+            "from rapo_ray.launcher import init_ray\n"
+            "init_ray(Config())\n"
+            "print(ray._private.worker._global_node.get_session_dir_path(), flush=True)\n"
+            "time.sleep(600)\n",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        session = driver.stdout.readline().strip()
+        assert session and session_processes(session), session  # a Ray of its own is running
+    finally:
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait()
+    deadline = time.monotonic() + GRACE_S + TERM_WAIT_S + 10
+    while session_processes(session) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not session_processes(session), [
+        Path(f"/proc/{p}/cmdline").read_bytes()[:80] for p in session_processes(session)
+    ]

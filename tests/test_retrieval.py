@@ -1,6 +1,7 @@
 """Retrieval against a real milvus-lite (temporary directory) and the Serve app on 127.0.0.1."""
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -237,9 +238,41 @@ def test_serve_app_handle_and_http(serve_url, tmp_path, search_on):
         assert handle.insert.remote([fresh]).result() == 1 and handle.insert.remote([fresh]).result() == 1
         assert handle.count.remote().result() == n0 + 1
         assert HandleStepRetriever(handle).retrieve(["a brand new history"])[0].value == "<think>fresh</think>"
+        if search_on == "replica":
+            _a_dead_replica_degrades_retrievals_until_serve_replaces_it(handle)
     finally:
         serve.delete("retrieval_test")
         server.stop()
+
+
+def _a_dead_replica_degrades_retrievals_until_serve_replaces_it(handle):
+    """Issue #22: the replica's death used to escape the agent loop as a Ray error (and the fleet then replaced a
+    healthy rollout worker). Now every call either answers or raises ``RetrievalFailed`` within its timeout
+    (the loop degrades that slot), and the service answers again once Serve has replaced the replica."""
+    import ray
+
+    from rapo_ray.agent.retriever import RetrievalFailed
+    from rapo_ray.retrieval.service import HandleStepRetriever
+
+    (replica,) = [
+        a for a in ray.util.list_named_actors(all_namespaces=True) if "SERVE_REPLICA::retrieval_test" in a["name"]
+    ]
+    ray.kill(ray.get_actor(replica["name"], namespace=replica["namespace"]), no_restart=True)
+    retriever = HandleStepRetriever(handle, timeout_s=5.0)
+    outcomes, deadline = [], time.monotonic() + 180
+    while time.monotonic() < deadline:
+        t0 = time.monotonic()
+        try:
+            hit = retriever.retrieve(["key 7"])[0]
+            outcomes.append("answered")
+            if hit is not None and hit.value == "<think>v7</think>":
+                break
+        except RetrievalFailed:
+            outcomes.append("failed")
+        assert time.monotonic() - t0 < 5.0 + 5.0, outcomes  # a call never waits much past its timeout
+        time.sleep(0.5)
+    assert outcomes and outcomes[-1] == "answered", outcomes
+    assert retriever.failures == outcomes.count("failed")
 
 
 def test_builder_counts_idempotence_and_resume(ray_session, tiny_cfg, tiny_model_dir, tmp_path):

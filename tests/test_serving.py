@@ -69,6 +69,68 @@ def test_bad_requests_name_the_field(body, message):
     assert message in str(err.value)
 
 
+def test_fuzzed_request_bodies_are_accepted_or_get_a_400_naming_the_problem():
+    """Random JSON shapes and strings (lone surrogates, control characters, huge numbers) in every field: the
+    parser accepts a body whose text the tokenizer can encode, or raises ``BadRequest`` with a message the HTTP
+    layer can encode; nothing else."""
+    import json
+    import random
+
+    rng = random.Random(0)
+    alphabet = ["a", "é", "\u2028", "\x00", "\ud800", "\udfff", "\U0001f600", "<python>", '"', "\\"]
+
+    def value(depth: int = 0):
+        kind = rng.randrange(9 if depth < 3 else 6)
+        if kind == 0:
+            return "".join(rng.choice(alphabet) for _ in range(rng.randrange(6)))
+        if kind == 1:
+            return rng.choice([0, 1, -1, 2**70, 64, 10**9])
+        if kind == 2:
+            return rng.choice([0.5, -1e308, float("inf"), float("nan")])
+        if kind == 3:
+            return rng.choice([True, False, None])
+        if kind == 4:
+            return {"role": rng.choice(["user", "system", "assistant", "tool", value(3)]), "content": value(depth + 1)}
+        if kind == 5:
+            return {"type": "text", "text": value(3)}
+        if kind == 6:
+            return [value(depth + 1) for _ in range(rng.randrange(4))]
+        return {rng.choice(FIELDS): value(depth + 1) for _ in range(rng.randrange(4))}
+
+    FIELDS = [
+        "messages",
+        "model",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "stream",
+        "stream_options",
+        "n",
+        "seed",
+        "max_tool_calls",
+        "tools",
+        "stop",
+        "user",
+        "role",
+        "content",
+        "\ud800",
+    ]
+    outcomes = {"accepted": 0, "400": 0}
+    for _ in range(3000):
+        body = {f: value() for f in rng.sample(FIELDS, rng.randrange(1, 5))}
+        if rng.random() < 0.7:
+            body["messages"] = [{"role": "user", "content": value(2)}] if rng.random() < 0.5 else value(1)
+        try:
+            req = parse_chat_request(body, SERVE_CFG, "agent")
+            for m in req.messages:  # what the tokenizer gets: it cannot encode a lone surrogate (was a bare 500)
+                m["content"].encode("utf-8")
+            outcomes["accepted"] += 1
+        except BadRequest as exc:
+            json.dumps({"message": str(exc)}, ensure_ascii=False).encode("utf-8")  # what the 400 response sends
+            outcomes["400"] += 1
+    assert outcomes["accepted"] > 0 and outcomes["400"] > 0, outcomes
+
+
 def test_default_valued_and_bookkeeping_fields_are_accepted():
     req = parse_chat_request(
         {
@@ -363,6 +425,9 @@ def test_bad_requests_get_400_and_the_replica_keeps_serving(agent_apps):
     assert r.status_code == 400 and "bytes; the limit is" in r.json()["error"]["message"]
     r = requests.post(url, data=b"{not json", headers=headers, timeout=60)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    lone = b'{"messages": [{"role": "user", "content": "x\\ud800"}]}'  # valid JSON, not valid Unicode (was a 500)
+    r = requests.post(url, data=lone, headers=headers, timeout=60)
+    assert r.status_code == 400 and "messages[0].content is not valid Unicode" in r.json()["error"]["message"]
     resp = client.chat.completions.create(model="tiny", messages=_user(), max_tokens=8)
     assert resp.choices[0].message.role == "assistant"
 
@@ -398,6 +463,68 @@ def test_hostile_python_in_a_conversation_is_contained(agent_apps):
         model="scripted", messages=_user("Again."), max_tokens=400, extra_body={"max_tool_calls": 0}
     )
     assert again.model_extra["agent"]["finish_reason"] == "tool_limit"  # the limit is enforced per request
+
+
+def test_a_replica_death_fails_no_request_and_health_reports_it(agent_apps, tiny_cfg, tiny_model_dir):
+    """Issue #22: when the only replica was killed under load its 32 requests in flight got HTTP 500 and /health
+    never said so. With two replicas behind the router, requests in flight on a killed one are sent again to the
+    other: none fails; /health says "degraded" until Serve has replaced it, then "ok"."""
+    import ray
+    import requests
+    from ray import serve
+
+    from rapo_ray.serving.app import build_agent_app
+
+    steps = ["<think>slow</think><python>import time; time.sleep(0.3); print(1)</python>", "<answer>1</answer>"]
+    cfg = replace(
+        tiny_cfg,
+        serve=replace(
+            tiny_cfg.serve,
+            model_name="agent",
+            min_replicas=2,
+            max_replicas=2,
+            num_cpus=0.5,
+            engine_factory="rapo_ray.engines.scripted:scripted_engine",
+            engine_kwargs={"steps": steps},
+        ),
+    )
+    serve.run(build_agent_app(cfg, tiny_model_dir), name="replicas_test", route_prefix="/replicas")
+    base = agent_apps["agent"].replace("/agent", "/replicas")
+    try:
+        assert requests.get(base + "/health", timeout=30).json()["replicas_running"] == 2
+        results, health = [], []
+
+        def ask(i):
+            r = requests.post(base + "/v1/chat/completions", json={"messages": _user(f"q{i}")}, timeout=120)
+            results.append((r.status_code, r.json()))
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)  # requests in flight on both replicas
+        replicas = [
+            a
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if "SERVE_REPLICA::replicas_test#AgentServer" in a["name"]
+        ]
+        ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]), no_restart=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            t0 = time.monotonic()
+            h = requests.get(base + "/health", timeout=30)
+            health.append((h.status_code, h.json()["status"], round(time.monotonic() - t0, 2)))
+            if health[-1][1] == "ok" and any(s == "degraded" for _, s, _ in health):
+                break
+            time.sleep(0.2)
+        for t in threads:
+            t.join()
+        assert [code for code, _ in results] == [200] * 16, [r for r in results if r[0] != 200]
+        assert all(body["choices"][0]["message"]["content"] == "1" for _, body in results)
+        assert ("degraded" in [s for _, s, _ in health]) and health[-1][1] == "ok", health
+        assert max(seconds for *_, seconds in health) < 5.0, health  # /health answers fast, even while degraded
+        assert requests.get(base + "/health", timeout=30).json()["retried_requests"] >= 1
+    finally:
+        serve.delete("replicas_test")
 
 
 def test_new_checkpoint_rolls_out_without_errors(agent_apps, tiny_cfg, tiny_model_dir, tmp_path):

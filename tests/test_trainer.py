@@ -89,6 +89,61 @@ def test_scale_up_down_and_weight_sync(ray_session, fleet_cfg, tiny_model_dir):
         fleet.shutdown()
 
 
+def test_a_worker_that_dies_outside_a_rollout_is_replaced_at_the_weight_push(ray_session, fleet_cfg, tiny_model_dir):
+    """Issue #22: a rollout worker killed after its rollout (during the old-logprob pass or the update) used to end
+    the run at the next weight push (ActorDiedError from WeightSync.push). Now it is replaced with the current
+    weights, whether the push finds it dead before it starts or meets it dead on the way."""
+    from rapo_ray.model import load_model
+    from rapo_ray.rollout import RolloutFleet
+    from rapo_ray.sync import WeightSync
+    from rapo_ray.trainer import push_weights
+
+    base = load_model(tiny_model_dir).state_dict()
+    state = {"sd": None, "v": 0}
+    fleet = RolloutFleet(
+        tiny_model_dir, fleet_cfg, retrieval_app=None, weights_source=lambda: (state["sd"], state["v"])
+    )
+    sync = WeightSync(bucket_mb=0.05, timeout_s=120)
+
+    def kill(worker):
+        ray.kill(worker, no_restart=True)
+        with pytest.raises(ray.exceptions.RayActorError):
+            for _ in range(100):  # until the kill has landed
+                ray.get(worker.ready.remote())
+
+    def push(version: int) -> int:
+        weights = {k: v + 0.01 * version for k, v in base.items()}
+        state.update(sd=weights, v=version)  # what the trainer's weights_source returns once the learners updated
+        replaced = push_weights(sync, fleet, weights, version)
+        for w in fleet.handles():
+            got = ray.get(w.state_dict.remote())
+            assert all(torch.equal(got[k], weights[k]) for k in weights)
+            assert ray.get(w.ready.remote())["version"] == version
+        return replaced
+
+    try:
+        assert push(1) == 0
+        kill(fleet.handles()[0])  # died while idle, after its rollout: found before the push
+        assert push(2) == 1 and len(fleet.workers) == 2
+        check = fleet.replace_dead
+
+        def check_then_kill(during):  # dies between the liveness check and the push: the push meets it
+            replaced = check(during)
+            if fleet.replace_dead is check_then_kill:
+                fleet.replace_dead = check
+                kill(fleet.handles()[1])
+            return replaced
+
+        fleet.replace_dead = check_then_kill
+        assert push(3) == 1 and len(fleet.workers) == 2
+        batch, _ = fleet.run_step(_groups(2), 2, 0, seed=0)
+        assert len(batch) == 4
+        assert sum(e.kind == "replaced" for e in fleet.events) == 2
+    finally:
+        fleet.shutdown()
+        ray.kill(sync.hub)
+
+
 def test_kl_penalty_pulls_the_policy_back_to_the_starting_model(ray_session, fleet_cfg, tiny_model_dir):
     """algo.kl_coef > 0: the learner keeps a frozen copy of the starting model; KL is 0 before any update,
     > 0 after a policy-gradient step, and zero-advantage updates (KL term only) shrink it again."""

@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 
 from rapo_ray.agent import protocol
 from rapo_ray.agent.environment import Environment, ToolResult
-from rapo_ray.agent.retriever import StepRetriever, query_text
+from rapo_ray.agent.retriever import RetrievalFailed, StepRetriever, query_text
 from rapo_ray.agent.trajectory import HYBRID, ON_POLICY, Retrieval, Task, Trajectory
 from rapo_ray.algos.arpo import BranchBudget, EntropyBrancher, normalized_segment_entropy
 from rapo_ray.algos.entropy import GENERATED, RETRIEVED, TOOL_RESULT
@@ -299,7 +299,11 @@ class AgentLoop:
                     t = trajs[i]
                     if kind == "retrieve":
                         stats.retrieve_s += time.perf_counter() - started
-                        r = self._insert_retrieval(t, fut.result()[0])
+                        try:
+                            r = self._insert_retrieval(t, fut.result()[0])
+                        except RetrievalFailed:
+                            t.retrieval_errors += 1
+                            r = None
                         if r is not None:
                             retrievals[i] = r
                         start_generation(i)
@@ -364,7 +368,12 @@ class AgentLoop:
         histories = [
             trajs[i].question + self.tok.decode(trajs[i].response_ids, skip_special_tokens=False) for i in want
         ]
-        hits = self.retriever.retrieve([query_text(h) for h in histories], [trajs[i].problem_id for i in want])
+        try:
+            hits = self.retriever.retrieve([query_text(h) for h in histories], [trajs[i].problem_id for i in want])
+        except RetrievalFailed:  # every asking slot takes a policy step instead, counted
+            for i in want:
+                trajs[i].retrieval_errors += 1
+            return
         for i, hit in zip(want, hits):
             r = self._insert_retrieval(trajs[i], hit)
             if r is not None:

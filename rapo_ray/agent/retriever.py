@@ -42,7 +42,14 @@ class RetrievedStep:
     noise: bool = False
 
 
+class RetrievalFailed(RuntimeError):
+    """The retrieval service did not answer (a replica died, a timeout). The loop gives the slot a policy step
+    instead and counts it (``Trajectory.retrieval_errors``): a rollout never fails for a retrieval."""
+
+
 class StepRetriever(Protocol):
+    """``retrieve`` may raise ``RetrievalFailed``; any other exception is a bug and ends the rollout."""
+
     def retrieve(
         self, queries: Sequence[str], question_ids: Sequence[str] | None = None
     ) -> list[RetrievedStep | None]: ...

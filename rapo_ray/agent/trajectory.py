@@ -53,6 +53,7 @@ class Trajectory:
     entropy_is_estimate: bool = False
     retrievals: list[Retrieval] = field(default_factory=list)
     retrieval_fallbacks: int = 0  # retrieval fired but the buffer had nothing: a policy step instead
+    retrieval_errors: int = 0  # retrieval fired but the service failed (RetrievalFailed): a policy step instead
     tool_calls: int = 0
     tool_errors: int = 0
     finished: bool = False

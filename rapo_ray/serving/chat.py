@@ -91,10 +91,22 @@ def _integer(body: dict, key: str, lo: int, hi: int, default: int | None) -> int
     return v
 
 
+def _unicode(text: str, where: str) -> str:
+    """``text`` if it is valid Unicode. JSON's ``\\ud800`` escapes decode to lone surrogates, which no tokenizer
+    can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadRequest(
+            f"{where} is not valid Unicode: a lone surrogate {text[exc.start]!r} at character {exc.start}"
+        ) from None
+    return text
+
+
 def _content_text(content, where: str) -> str:
     """String content, or the OpenAI list-of-parts form with text parts only."""
     if isinstance(content, str):
-        return content
+        return _unicode(content, f"{where}.content")
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
@@ -102,7 +114,7 @@ def _content_text(content, where: str) -> str:
                 raise BadRequest(
                     f"{where}.content[{j}]: only text parts ({{'type': 'text', 'text': str}}) are supported"
                 )
-            texts.append(part["text"])
+            texts.append(_unicode(part["text"], f"{where}.content[{j}].text"))
         return "".join(texts)
     raise BadRequest(f"{where}.content must be a string or a list of text parts, got {type(content).__name__}")
 
