@@ -50,6 +50,16 @@ def _f(default, help: str, choices: tuple | None = None):
     return field(default=default, metadata=meta)
 
 
+# Named model shapes (``model.size``): the weight-sync ladder (benchmarks/bench_sync.py) and users picking a shape.
+MODEL_SIZES: dict[str, dict] = {
+    "bundled": dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384, min_vocab=0),
+    "30m": dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1536, min_vocab=8192),
+    "qwen2.5-0.5b": dict(
+        hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864, min_vocab=151936
+    ),
+}
+
+
 @dataclass
 class ModelConfig:
     path: str = _f(
@@ -66,6 +76,28 @@ class ModelConfig:
         "float32", "Parameter dtype for rollout/learner on this machine.", ("float32", "bfloat16", "float16")
     )
     seed: int = _f(0, "Seed for initialising the bundled model.")
+    size: str = _f(
+        "",
+        "A named shape for the bundled model (sets hidden_size ... min_vocab): bundled (the default ~0.9M), 30m, "
+        "qwen2.5-0.5b (Qwen2.5-0.5B's shape, randomly initialised, ~494M). Empty: the fields as given.",
+        ("", *MODEL_SIZES),
+    )
+    min_vocab: int = _f(
+        0,
+        "Embedding rows at least this many (a named shape's real vocabulary; rows past the tokenizer's are never "
+        "produced): weight sizes match the real model's.",
+    )
+
+    def apply_size(self) -> None:
+        """Set the shape fields from ``size``; a shape field set to another value as well is an error."""
+        if not self.size:
+            return
+        defaults = ModelConfig()
+        for key, value in MODEL_SIZES[self.size].items():
+            mine = getattr(self, key)
+            if mine not in (value, getattr(defaults, key)):
+                raise ConfigError(f"model.size={self.size} sets model.{key}={value}; drop model.{key}={mine}")
+            setattr(self, key, value)
 
 
 @dataclass
@@ -340,9 +372,21 @@ class LearnerConfig:
 
 @dataclass
 class SyncConfig:
-    backend: str = _f("auto", "ray.util.collective backend for weight broadcast.", ("auto", "gloo", "nccl"))
+    backend: str = _f(
+        "auto",
+        "Backend of the learner-to-engines weight group (rapo_ray/sync.py): gloo; auto = gloo.",
+        ("auto", "gloo", "nccl"),
+    )
     bucket_mb: float = _f(32.0, "Broadcast bucket size in MiB.")
-    timeout_s: float = _f(600.0, "A weight push (group forming, staging, broadcast) that takes longer stops the run.")
+    timeout_s: float = _f(600.0, "A weight push (group forming, gather, broadcast) that takes longer stops the run.")
+    dtype: str = _f(
+        "auto",
+        "dtype the weights travel in; auto: model.dtype, the engines' dtype, so nothing is widened on the way.",
+        ("auto", "float32", "bfloat16", "float16"),
+    )
+
+    def wire_dtype(self, model_dtype: str) -> str:
+        return model_dtype if self.dtype == "auto" else self.dtype
 
 
 @dataclass
@@ -639,7 +683,8 @@ class Config:
             ),
             (
                 self.sync.backend == "nccl",
-                "sync.backend=nccl is not implemented yet (the weight hub broadcasts CPU tensors over gloo)",
+                "sync.backend=nccl is not implemented yet: the weight group is gloo (rapo_ray/sync.py); on a GPU the "
+                "weights are staged through the learner's CPU",
             ),
         ]
         checks += [(not bad, msg) for bad, msg in not_yet]
@@ -785,6 +830,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
         for k in reversed(keys):
             nested = {k: nested}
         _apply(cfg, nested)
+    cfg.model.apply_size()
     return cfg.validate()
 
 

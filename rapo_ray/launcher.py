@@ -1,7 +1,7 @@
 """The launcher: the whole Ray topology of a training run in ``run``.
 
     local Ray (127.0.0.1) or the cluster -> run directory -> warm start -> step-trace buffer in Milvus
-    -> Serve retrieval app -> Trainer (learner group, rollout fleet, weight hub) -> train -> evaluate
+    -> Serve retrieval app -> Trainer (learner group, rollout fleet, weight sync) -> train -> evaluate
 
 One RL step is ``Trainer.step`` (rapo_ray/trainer.py); what is reported is in rapo_ray/reporting.py.
 """
@@ -249,7 +249,7 @@ def run(cfg: Config, log=print) -> dict:
     retrieval = trainer = metrics = None
     try:
         metrics = MetricsLog(run_dir.path, cfg, log)
-        # 1. starting policy, 2. RAPO's buffer behind Serve, 3. learners + fleet + weight hub
+        # 1. starting policy, 2. RAPO's buffer behind Serve, 3. learners + fleet + weight sync
         model_dir = starting_policy(cfg, log)
         log(f"starting policy: {model_dir}")
         retrieval = RetrievalService(cfg, model_dir, log)

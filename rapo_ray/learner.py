@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import time
 
 import ray
 import torch
@@ -83,6 +84,59 @@ def _filler(pad_id: int) -> TrajectoryBatch:
     return TrajectoryBatch([t], old_logprobs=[[0.0]], advantage=[0.0], shaping=[1.0])
 
 
+def gather_bucket(tensors: list, bucket: list, rank: int, world: int) -> torch.Tensor | None:
+    """``tensors`` (FSDP2 DTensors or plain tensors, every rank the same list) packed as ``bucket`` (their
+    ``TensorSlot`` layout, rapo_ray/sync.py) on rank 0, with one gather over the default (FSDP) group; None on
+    the other ranks.
+
+    FSDP2 shards a parameter on dim 0 in ``torch.chunk`` pieces (rank r holds rows [r*c, min((r+1)*c, d0)),
+    c = ceil(d0 / world), possibly none). Each rank writes its pieces, cast to the wire dtype, into one flat
+    buffer with c rows' room per tensor, so every rank sends the same count; rank 0 copies each rank's rows
+    straight to their place in the bucket. (One ``full_tensor()`` per parameter cost ~2.6 ms each on the bundled
+    model: 68 ms of an 84 ms push; a gather per bucket plus the copies around it ~5 ms, measured.) A plain tensor
+    is taken from rank 0."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from rapo_ray.sync import pack
+
+    shards = [isinstance(t, DTensor) and world > 1 for t in tensors]
+    if not any(shards):
+        if rank != 0:
+            return None
+        dtypes = [getattr(torch, slot.dtype) for slot in bucket]
+        full = [t.full_tensor() if isinstance(t, DTensor) else t for t in tensors]
+        return pack([f.detach().to(device="cpu", dtype=d) for f, d in zip(full, dtypes)], bucket)
+    dtype = getattr(torch, bucket[0].dtype)
+    if any(slot.dtype != bucket[0].dtype for slot in bucket) or not all(shards):
+        raise ValueError("gather_bucket: a bucket mixes dtypes or sharded and plain tensors")
+    layout, total = [], 0
+    for t in tensors:
+        d0, row = t.shape[0], math.prod(t.shape[1:])
+        c = -(-d0 // world)
+        layout.append((total, d0, c, row))
+        total += c * row
+    device = tensors[0].to_local().device
+    mine = torch.empty(total, dtype=dtype, device=device)
+    for t, (off, d0, c, _) in zip(tensors, layout):
+        local = t.to_local()
+        if local.shape[0] != max(0, min(c, d0 - rank * c)):
+            raise RuntimeError(f"unexpected FSDP shard: rank {rank} holds {local.shape[0]} of {d0} rows (chunk {c})")
+        mine[off : off + local.numel()].copy_(local.detach().reshape(-1))  # the padding rows stay unset: dropped
+    gathered = torch.empty(world, total, dtype=dtype, device=device) if rank == 0 else None
+    dist.gather(mine, list(gathered.unbind(0)) if rank == 0 else None, dst=0)
+    if rank != 0:
+        return None
+    gathered = gathered.cpu()
+    out = torch.empty(bucket[-1].offset + bucket[-1].nbytes, dtype=torch.uint8)
+    for slot, (off, d0, c, row) in zip(bucket, layout):
+        dst = out[slot.offset : slot.offset + slot.nbytes].view(dtype)
+        for r in range(world):
+            n = max(0, min(c, d0 - r * c)) * row
+            dst[r * c * row : r * c * row + n].copy_(gathered[r, off : off + n])
+    return out
+
+
 class LearnerWorker:
     def __init__(
         self, rank: int, world_size: int, master_port: int, model_dir: str, cfg_dict: dict, backend: str = "auto"
@@ -94,6 +148,7 @@ class LearnerWorker:
         self.cfg = from_dict(cfg_dict)
         set_torch_threads(1)
         self.rank, self.world = rank, world_size
+        self._sync_group = None  # rank 0's end of the weight-sync group (rapo_ray/sync.py)
         use_cuda = torch.cuda.is_available() and self.cfg.resources.gpus_per_learner > 0
         self.device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
         backend = backend if backend != "auto" else ("nccl" if use_cuda else "gloo")
@@ -268,6 +323,38 @@ class LearnerWorker:
 
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return {k: v.detach().clone() for k, v in sd.items()} if self.rank == 0 else None
+
+    def join_weight_sync(self, host: str, port: int, name: str, world: int, timeout_s: float) -> bool:
+        """Rank 0 only: become sync rank 0 of the weight-sync group ``name`` (rapo_ray/sync.py)."""
+        from rapo_ray.sync import SyncGroup
+
+        if self._sync_group is not None:
+            self._sync_group.abort()
+        self._sync_group = None
+        self._sync_group = SyncGroup(host, port, name, 0, world, timeout_s)
+        return True
+
+    def send_weights(self, version: int, bucket_bytes: int, dtype: str) -> dict:
+        """Every rank: gather the parameters bucket by bucket (one FSDP gather each) and, on rank 0, send them to the
+        weight-sync group in ``dtype``. A tied ``lm_head`` is not sent (the engines tie it to the embedding)."""
+        from rapo_ray.sync import send_state
+
+        t0 = time.perf_counter()
+        sd = self.model.state_dict()
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            sd.pop("lm_head.weight", None)
+        entries = [(k, tuple(v.shape), dtype) for k, v in sd.items()]
+
+        def fetch(bucket: list) -> torch.Tensor | None:
+            return gather_bucket([sd[slot.name] for slot in bucket], bucket, self.rank, self.world)
+
+        group = self._sync_group if self.rank == 0 else None
+        try:
+            stats = send_state(group, version, entries, fetch, bucket_bytes)
+            return {**stats, "learner_s": time.perf_counter() - t0}
+        except BaseException:
+            self._sync_group = None  # aborted by send_state; the driver forms a new group
+            raise
 
     def save_checkpoint(self, path: str, tokenizer_dir: str) -> bool:
         """Rank 0 writes the HF model and the full optimizer state into ``path`` (which must not exist yet)."""

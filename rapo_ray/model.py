@@ -86,7 +86,7 @@ def build_model(model_cfg, vocab_size: int, bos_id: int, eos_id: int, pad_id: in
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
     torch.manual_seed(model_cfg.seed)
     config = Qwen2Config(
-        vocab_size=vocab_size,
+        vocab_size=max(vocab_size, model_cfg.min_vocab),
         hidden_size=model_cfg.hidden_size,
         intermediate_size=model_cfg.intermediate_size,
         num_hidden_layers=model_cfg.num_layers,
@@ -189,6 +189,7 @@ def bundled_model_dir(cfg) -> Path:
                 cfg.model.tie_word_embeddings,
                 cfg.model.dtype,
                 cfg.model.seed,
+                *([cfg.model.min_vocab] if cfg.model.min_vocab else []),  # (folders built before it keep their key)
             ],
             "t": [cfg.tokenizer.vocab_size, sorted(cfg.tasks.families), cfg.tasks.seed, TOKENIZER_CORPUS_VERSION],
         }

@@ -65,7 +65,8 @@ class RolloutWorker:
         self.train_settings.max_context = self.eval_settings.max_context = max_context
         self.loop_cls = AgentLoop  # imported lazily above (actor-side imports)
         self.retriever = retriever
-        self._collective: str | None = None
+        self._sync_group = None  # this worker's end of the weight-sync group
+        self.last_receive: dict = {}
 
     def ready(self) -> dict:
         return {
@@ -95,25 +96,31 @@ class RolloutWorker:
 
     # ------------------------------------------------------------ weights
 
-    def load_state_dict(self, state_dict: dict, version: int) -> int:
-        self.engine.load_weights(state_dict, version)
-        return version
+    def join_weight_sync(self, host: str, port: int, name: str, rank: int, world: int, timeout_s: float) -> bool:
+        """Become ``rank`` of the weight-sync group ``name`` (rapo_ray/sync.py), leaving the previous one."""
+        from rapo_ray.sync import SyncGroup
 
-    def join_collective(self, world: int, rank: int, name: str) -> bool:
-        from rapo_ray.sync import join_group
-
-        join_group(world, rank, name, self._collective)
-        self._collective = name
+        if self._sync_group is not None:
+            self._sync_group.abort()
+        self._sync_group = None
+        self._sync_group = SyncGroup(host, port, name, rank, world, timeout_s)
         return True
 
-    def receive_broadcast(
-        self, spec: list[tuple[str, list[int], str]], bucket_numels: list[int], version: int, name: str
-    ) -> int:
-        """Receive bucketed flat tensors from rank 0 of collective ``name`` and load them into the engine."""
-        from rapo_ray.sync import receive_buckets
+    def receive_weights(self) -> int:
+        """Receive one push from the learner and load it into the engine once complete; returns its version."""
+        from rapo_ray.sync import receive_state
 
-        sd = receive_buckets(spec, bucket_numels, name)
-        self.engine.load_weights(sd, version)
+        if self._sync_group is None:
+            raise RuntimeError(f"rollout worker {self.worker_id} is in no weight-sync group")
+        t0 = time.perf_counter()
+        try:
+            version, state_dict = receive_state(self._sync_group)
+        except BaseException:
+            self._sync_group = None  # aborted; the driver forms a new group
+            raise
+        t1 = time.perf_counter()
+        self.engine.load_weights(state_dict, version)
+        self.last_receive = {"receive_s": t1 - t0, "load_s": time.perf_counter() - t1}  # read by bench_sync
         return version
 
     def state_dict(self) -> dict:
@@ -138,7 +145,7 @@ class FleetEvent:
 class RolloutFleet:
     """Owns the rollout workers; ``run_step`` distributes a step's groups and collects every one exactly once."""
 
-    def __init__(self, model_dir: str, cfg, retrieval_app: str | None, weights_source=None):
+    def __init__(self, model_dir: str, cfg, retrieval_app: str | None, on_new_workers=None):
         self.cfg, self.model_dir, self.retrieval_app = cfg, str(model_dir), retrieval_app
         from rapo_ray.config import to_dict
 
@@ -155,7 +162,9 @@ class RolloutFleet:
         self._next_id = 0
         self.events: list[FleetEvent] = []
         self.start_timeout_s = cfg.resources.placement_timeout_s
-        self.weights_source = weights_source  # callable () -> (state_dict or None, version) for new workers
+        # called with the handles of workers that joined (scale-up, replacement) before they take work: the
+        # trainer sends them the current weights (they start from the model folder)
+        self.on_new_workers = on_new_workers
         self.scale(cfg.rollout.num_workers)
 
     # ------------------------------------------------------------ membership
@@ -175,11 +184,8 @@ class RolloutFleet:
                 f"place actors needing {self.cfg.resources.cpus_per_rollout_worker:g} CPU / "
                 f"{self.cfg.resources.gpus_per_rollout_worker:g} GPU each"
             ) from None
-        if self.weights_source is not None:  # a new worker gets the current weights before it takes work
-            sd, version = self.weights_source()
-            if sd is not None:
-                ref = ray.put(sd)
-                ray.get([self.workers[w].load_state_dict.remote(ref, version) for w in ids])
+        if self.on_new_workers is not None:
+            self.on_new_workers([self.workers[w] for w in ids])
         return ids
 
     def scale(self, n: int) -> None:
@@ -200,8 +206,8 @@ class RolloutFleet:
 
     def replace_dead(self, during: str, timeout_s: float = 30.0) -> int:
         """Ping every worker; replace each one that is dead, or that does not answer within ``timeout_s`` (killed
-        first: an idle worker answers in milliseconds). The new ones get the current weights from
-        ``weights_source`` before they take work. For phases outside ``run_step`` (weight sync), which must not
+        first: an idle worker answers in milliseconds). The new ones get the current weights
+        (``on_new_workers``) before they take work. For phases outside ``run_step`` (weight sync), which must not
         fail the run for a worker that died while idle. Returns how many were replaced."""
         pings = {self.workers[w].ready.remote(): w for w in sorted(self.workers)}
         dead = []

@@ -1,4 +1,4 @@
-"""``Trainer``: one RL step, top to bottom, over the learner group, the rollout fleet and the weight hub.
+"""``Trainer``: one RL step, top to bottom, over the learner group, the rollout fleet and the weight sync.
 
     step:  sample prompts -> rollout (fleet) -> old-policy pass (learners: log-probs, entropies)
            -> advantages (the algorithm's estimator) -> PPO update (learners) -> weight sync (collective)
@@ -17,7 +17,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import ray
 import torch
 
 from rapo_ray.agent.retriever import steps_of
@@ -59,11 +58,8 @@ class Trainer:
         self.run_metrics = RunMetrics(cfg.run.metrics_window)  # moving means and lifetime totals across steps
         self.rng = random.Random(cfg.trainer.seed)
         self.learners = LearnerGroup(cfg, model_dir)
-        self.sync = WeightSync(cfg.sync.bucket_mb, cfg.sync.timeout_s)
-        self._latest_weights: dict | None = None
-        self.fleet = RolloutFleet(
-            model_dir, cfg, retrieval_app, weights_source=lambda: (self._latest_weights, self.version)
-        )
+        self.sync = WeightSync(cfg.sync.bucket_mb, cfg.sync.timeout_s, cfg.sync.wire_dtype(cfg.model.dtype))
+        self.fleet = RolloutFleet(model_dir, cfg, retrieval_app, on_new_workers=self._bring_up_to_date)
 
     # ------------------------------------------------------------ one RL step, top to bottom
 
@@ -162,8 +158,13 @@ class Trainer:
     def sync_weights(self) -> int:
         """Push the learners' current weights to every rollout engine, stamped with ``self.version``. Returns
         how many dead rollout workers were replaced on the way (``push_weights``)."""
-        self._latest_weights = self.learners.state_dict()
-        return push_weights(self.sync, self.fleet, self._latest_weights, self.version)
+        return push_weights(self.sync, self.fleet, self.learners.workers, self.version)
+
+    def _bring_up_to_date(self, workers: list) -> None:
+        """A worker that joins mid-run (scale-up, replacement) starts from the model folder, version 0: it gets
+        the learners' current weights before its first rollout."""
+        if self.version > 0:
+            self.sync.push(self.learners.workers, workers, self.version)
 
     # ------------------------------------------------------------ evaluation and checkpoints
 
@@ -224,24 +225,24 @@ class Trainer:
         self.fleet.scale(state["workers"])
 
     def shutdown(self, graceful: bool = True) -> None:
-        """Stop the fleet, the weight hub and the learners. ``graceful=False`` after a learner died."""
+        """Stop the fleet, the weight sync and the learners. ``graceful=False`` after a learner died."""
         self.fleet.shutdown()
-        ray.kill(self.sync.hub)
+        self.sync.close()
         self.learners.shutdown(graceful)
 
 
-def push_weights(sync: WeightSync, fleet: RolloutFleet, state_dict: dict, version: int) -> int:
-    """Push ``state_dict`` as ``version`` to every rollout worker. A worker that died outside a rollout (during
-    the old-logprob pass, the update, an evaluation's end) must not end the run: dead workers are replaced first
-    (a new one starts with these weights, ``RolloutFleet.weights_source``), and a push that still meets a
-    dead worker is retried once on a new hub and group after replacing it. Returns the number replaced."""
+def push_weights(sync: WeightSync, fleet: RolloutFleet, learners: list, version: int) -> int:
+    """Push the learners' weights as ``version`` to every rollout worker. A worker that died outside a rollout
+    (during the old-logprob pass, the update, an evaluation's end) must not end the run: dead workers are replaced
+    first (a new one is brought up to date as it joins, ``RolloutFleet.on_new_workers``), and a push that still
+    meets a dead worker is retried once on a new group after replacing it. Returns the number replaced."""
     replaced = fleet.replace_dead("weight sync")
     try:
-        sync.push(state_dict, version, fleet.handles())
-    except WORKER_DIED:  # died between the check and the push, or during it
-        sync.reset()  # first: the live workers may sit in the failed broadcast until its hub goes
+        sync.push(learners, fleet.handles(), version)
+    except WORKER_DIED:  # died between the check and the push, or during it: the others aborted, nothing loaded
+        sync.reset()
         replaced += fleet.replace_dead("weight sync")
-        sync.push(state_dict, version, fleet.handles())
+        sync.push(learners, fleet.handles(), version)
     return replaced
 
 

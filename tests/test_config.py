@@ -163,3 +163,22 @@ def test_registry_holds_every_algorithm_and_its_hooks():
         load_config(overrides=["algo.name=arpo", "algo.group_size=4"])
     with pytest.raises(ValueError, match="already registered"):
         register(Algorithm("grpo", advantages=get_algorithm("grpo").advantages))
+
+
+def test_model_size_presets_set_the_shape_and_refuse_a_conflicting_field():
+    from rapo_ray.config import MODEL_SIZES, ConfigError, load_config
+
+    cfg = load_config(overrides=["model.size=qwen2.5-0.5b"])
+    assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.model.num_heads, cfg.model.num_kv_heads) == (
+        896,
+        24,
+        14,
+        2,
+    )
+    assert (cfg.model.intermediate_size, cfg.model.min_vocab) == (4864, 151936)
+    assert load_config(overrides=["model.size=30m", "model.hidden_size=512"]).model.hidden_size == 512  # the same
+    with pytest.raises(ConfigError, match="model.size=30m sets model.hidden_size=512; drop model.hidden_size=64"):
+        load_config(overrides=["model.size=30m", "model.hidden_size=64"])
+    with pytest.raises(ConfigError, match="model.size"):
+        load_config(overrides=["model.size=7b"])
+    assert load_config().model.hidden_size == MODEL_SIZES["bundled"]["hidden_size"]  # the default is the bundled shape

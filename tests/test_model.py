@@ -56,3 +56,17 @@ def test_model_path_must_be_a_model(tmp_path):
     cfg = load_config(overrides=[f"model.path={tmp_path}"])
     with pytest.raises(ModelLoadError, match="model.path=.*not an HF model folder"):
         resolve_model_dir(cfg)
+
+
+def test_min_vocab_pads_the_embedding_to_a_real_models_rows():
+    """model.min_vocab (set by the model.size presets): the embedding has the real model's rows, so its weights
+    weigh what the real model's do; a tokenizer's own vocabulary larger than it wins."""
+    from dataclasses import replace
+
+    from rapo_ray.config import ModelConfig
+    from rapo_ray.model import build_model
+
+    shape = replace(ModelConfig(), hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32)
+    padded = build_model(replace(shape, min_vocab=600), vocab_size=512, bos_id=1, eos_id=2, pad_id=0)
+    assert padded.get_input_embeddings().weight.shape == (600, 16) and padded.config.vocab_size == 600
+    assert build_model(replace(shape, min_vocab=300), 512, 1, 2, 0).config.vocab_size == 512

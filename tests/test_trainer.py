@@ -52,96 +52,169 @@ def test_killed_worker_loses_no_group(ray_session, fleet_cfg, tiny_model_dir):
         fleet.shutdown()
 
 
-def test_scale_up_down_and_weight_sync(ray_session, fleet_cfg, tiny_model_dir):
-    from rapo_ray.model import load_model
+def _move_weights(learners, step: float) -> None:
+    """Shift every learner parameter (each rank its own FSDP shard) by ``step``: a stand-in for an update."""
+
+    def shift(worker, step):
+        with torch.no_grad():
+            for p in worker.model.parameters():
+                p.add_(step)
+        return True
+
+    ray.get([w.__ray_call__.remote(shift, step) for w in learners.workers])
+
+
+def _assert_workers_hold(fleet, learners, version, dtype=torch.float32):
+    """Every worker's engine holds the learners' weights bit for bit, as cast to the wire ``dtype``."""
+    want = learners.state_dict()
+    for w in fleet.handles():
+        got = ray.get(w.state_dict.remote())
+        assert ray.get(w.ready.remote())["version"] == version
+        for k, v in want.items():
+            assert torch.equal(got[k], v.to(dtype).to(got[k].dtype)), k
+
+
+@pytest.fixture
+def sync_parts(ray_session, fleet_cfg, tiny_model_dir):
+    """Two FSDP learner ranks, a two-worker fleet whose new workers are brought up to date, and the sync."""
+    from dataclasses import replace
+
+    from rapo_ray.learner import LearnerGroup
     from rapo_ray.rollout import RolloutFleet
     from rapo_ray.sync import WeightSync
 
-    new = {k: v + 0.01 for k, v in load_model(tiny_model_dir).state_dict().items()}
-    state = {"sd": None, "v": 0}
-    fleet = RolloutFleet(
-        tiny_model_dir, fleet_cfg, retrieval_app=None, weights_source=lambda: (state["sd"], state["v"])
-    )
-    sync = WeightSync(bucket_mb=0.05)  # several buckets
+    cfg = replace(fleet_cfg, resources=replace(fleet_cfg.resources, cpus_per_learner=0.5))
+    learners = LearnerGroup(cfg, tiny_model_dir)
+    sync = WeightSync(bucket_mb=0.05, timeout_s=120)  # several buckets
+    state = {"version": 0}
+
+    def bring_up_to_date(workers):
+        if state["version"]:
+            sync.push(learners.workers, workers, state["version"])
+
+    fleet = RolloutFleet(tiny_model_dir, cfg, retrieval_app=None, on_new_workers=bring_up_to_date)
     try:
-        ms = sync.push(new, 3, fleet.handles())
-        assert ms > 0
-        for w in fleet.handles():  # rollout weights equal the learner's bitwise
-            got = ray.get(w.state_dict.remote())
-            assert all(torch.equal(got[k], new[k]) for k in new)
-            assert ray.get(w.ready.remote())["version"] == 3
-        state.update(sd=new, v=3)
-        fleet.scale(3)  # a new worker receives the current weights before it takes work
-        assert len(fleet.workers) == 3
-        newest = fleet.handles()[-1]
-        got = ray.get(newest.state_dict.remote())
-        assert all(torch.equal(got[k], new[k]) for k in new) and ray.get(newest.ready.remote())["version"] == 3
-        sync.push({k: v * 2 for k, v in new.items()}, 4, fleet.handles())  # the group is rebuilt for 3 members
-        assert [ray.get(w.ready.remote())["version"] for w in fleet.handles()] == [4, 4, 4]
-        fleet.scale(1)
-        assert len(fleet.workers) == 1
-        batch, _ = fleet.run_step(_groups(2), 2, 0, seed=0)
-        assert len(batch) == 4
-        assert fleet.autoscale(backlog_groups=5, groups_per_worker=2) == 3  # ceil(5/2) capped by max_workers
-        assert fleet.autoscale(backlog_groups=0) == 1
-        assert [e.kind for e in fleet.events][:3] == ["start", "scale_up", "scale_down"]
+        yield learners, fleet, sync, state
     finally:
         fleet.shutdown()
+        learners.shutdown()
+        sync.close()
 
 
-def test_a_worker_that_dies_outside_a_rollout_is_replaced_at_the_weight_push(ray_session, fleet_cfg, tiny_model_dir):
-    """Issue #22: a rollout worker killed after its rollout (during the old-logprob pass or the update) used to end
-    the run at the next weight push (ActorDiedError from WeightSync.push). Now it is replaced with the current
-    weights, whether the push finds it dead before it starts or meets it dead on the way."""
-    from rapo_ray.model import load_model
-    from rapo_ray.rollout import RolloutFleet
+def test_scale_up_down_and_weight_sync(sync_parts):
+    """Issue #19: the learners send to the engines directly; a worker added mid-run holds the current version
+    before its first rollout; the group is rebuilt for every membership; bf16 on the wire is bf16 in the engine."""
     from rapo_ray.sync import WeightSync
+
+    learners, fleet, sync, state = sync_parts
+    _move_weights(learners, 0.01)
+    assert sync.push(learners.workers, fleet.handles(), 3) > 0
+    state["version"] = 3
+    _assert_workers_hold(fleet, learners, 3)
+    assert sync.last["bytes"] > 0 and sync.last["buckets"] > 1
+    fleet.scale(3)  # the new worker is brought up to date before it takes work
+    assert len(fleet.workers) == 3
+    _assert_workers_hold(fleet, learners, 3)
+    _move_weights(learners, -0.02)
+    sync.push(learners.workers, fleet.handles(), 4)  # the group is rebuilt for 3 members
+    state["version"] = 4
+    _assert_workers_hold(fleet, learners, 4)
+    half = WeightSync(bucket_mb=0.05, timeout_s=120, dtype="bfloat16")
+    half.push(learners.workers, fleet.handles(), 5)
+    _assert_workers_hold(fleet, learners, 5, dtype=torch.bfloat16)
+    assert half.last["bytes"] < sync.last["bytes"] * 0.55  # half the bytes of fp32 (plus alignment)
+    fleet.scale(1)
+    assert len(fleet.workers) == 1
+    batch, _ = fleet.run_step(_groups(2), 2, 0, seed=0)
+    assert len(batch) == 4 and {t.policy_version for t in batch} == {5}
+    assert fleet.autoscale(backlog_groups=5, groups_per_worker=2) == 3  # ceil(5/2) capped by max_workers
+    assert fleet.autoscale(backlog_groups=0) == 1
+    assert [e.kind for e in fleet.events][:3] == ["start", "scale_up", "scale_down"]
+
+
+def _kill(worker):
+    ray.kill(worker, no_restart=True)
+    with pytest.raises(ray.exceptions.RayActorError):
+        for _ in range(100):  # until the kill has landed
+            ray.get(worker.ready.remote())
+
+
+def test_a_worker_that_dies_outside_a_rollout_is_replaced_at_the_weight_push(sync_parts):
+    """Issue #22: a rollout worker killed after its rollout (during the old-logprob pass or the update) used to end
+    the run at the next weight push. Now it is replaced with the current weights, whether the push finds it dead
+    before it starts or meets it dead on the way."""
     from rapo_ray.trainer import push_weights
 
-    base = load_model(tiny_model_dir).state_dict()
-    state = {"sd": None, "v": 0}
-    fleet = RolloutFleet(
-        tiny_model_dir, fleet_cfg, retrieval_app=None, weights_source=lambda: (state["sd"], state["v"])
-    )
-    sync = WeightSync(bucket_mb=0.05, timeout_s=120)
-
-    def kill(worker):
-        ray.kill(worker, no_restart=True)
-        with pytest.raises(ray.exceptions.RayActorError):
-            for _ in range(100):  # until the kill has landed
-                ray.get(worker.ready.remote())
+    learners, fleet, sync, state = sync_parts
 
     def push(version: int) -> int:
-        weights = {k: v + 0.01 * version for k, v in base.items()}
-        state.update(sd=weights, v=version)  # what the trainer's weights_source returns once the learners updated
-        replaced = push_weights(sync, fleet, weights, version)
-        for w in fleet.handles():
-            got = ray.get(w.state_dict.remote())
-            assert all(torch.equal(got[k], weights[k]) for k in weights)
-            assert ray.get(w.ready.remote())["version"] == version
+        _move_weights(learners, 0.01)
+        state["version"] = version  # what the trainer's version is once the learners updated
+        replaced = push_weights(sync, fleet, learners.workers, version)
+        _assert_workers_hold(fleet, learners, version)
         return replaced
 
-    try:
-        assert push(1) == 0
-        kill(fleet.handles()[0])  # died while idle, after its rollout: found before the push
-        assert push(2) == 1 and len(fleet.workers) == 2
-        check = fleet.replace_dead
+    assert push(1) == 0
+    _kill(fleet.handles()[0])  # died while idle, after its rollout: found before the push
+    assert push(2) == 1 and len(fleet.workers) == 2
+    check = fleet.replace_dead
 
-        def check_then_kill(during):  # dies between the liveness check and the push: the push meets it
-            replaced = check(during)
-            if fleet.replace_dead is check_then_kill:
-                fleet.replace_dead = check
-                kill(fleet.handles()[1])
-            return replaced
+    def check_then_kill(during):  # dies between the liveness check and the push: the push meets it
+        replaced = check(during)
+        if fleet.replace_dead is check_then_kill:
+            fleet.replace_dead = check
+            _kill(fleet.handles()[1])
+        return replaced
 
-        fleet.replace_dead = check_then_kill
-        assert push(3) == 1 and len(fleet.workers) == 2
-        batch, _ = fleet.run_step(_groups(2), 2, 0, seed=0)
-        assert len(batch) == 4
-        assert sum(e.kind == "replaced" for e in fleet.events) == 2
-    finally:
-        fleet.shutdown()
-        ray.kill(sync.hub)
+    fleet.replace_dead = check_then_kill
+    assert push(3) == 1 and len(fleet.workers) == 2
+    batch, _ = fleet.run_step(_groups(2), 2, 0, seed=0)
+    assert len(batch) == 4
+    assert sum(e.kind == "replaced" for e in fleet.events) == 2
+
+
+def test_a_worker_killed_during_the_broadcast_neither_hangs_the_push_nor_loads_a_mixed_version(sync_parts):
+    """Issue #19: a member dying mid-push aborts the group: the survivors load nothing of the failed push (they keep
+    the previous version whole), the learner ranks are not left in their gather, and the retry brings everyone to
+    the new version."""
+    import threading
+    import time
+
+    from rapo_ray.rollout import WORKER_DIED
+    from rapo_ray.trainer import push_weights
+
+    learners, fleet, sync, state = sync_parts
+    _move_weights(learners, 0.01)
+    sync.push(learners.workers, fleet.handles(), 1)
+    state["version"] = 1
+    before = learners.state_dict()
+    _move_weights(learners, 0.01)
+
+    def slow_sender(worker):  # 0.2 s per bucket on learner rank 0, so the kill lands mid-push
+        import time
+
+        import rapo_ray.learner as learner_module
+
+        fast = learner_module.gather_bucket
+        learner_module.gather_bucket = lambda *args: (time.sleep(0.2), fast(*args))[1]
+        return True
+
+    ray.get(learners.workers[0].__ray_call__.remote(slow_sender))
+    victim, survivor = fleet.handles()
+    timer = threading.Timer(0.5, lambda: ray.kill(victim, no_restart=True))
+    timer.start()
+    t0 = time.perf_counter()
+    with pytest.raises(WORKER_DIED):
+        sync.push(learners.workers, fleet.handles(), 2)
+    timer.join()
+    assert time.perf_counter() - t0 < 30  # failed at once, not at the 120 s timeout
+    assert sync.last["buckets"] > 3  # (of push 1) the kill landed before the last bucket
+    got = ray.get(survivor.state_dict.remote())
+    assert ray.get(survivor.ready.remote())["version"] == 1
+    assert all(torch.equal(got[k], v) for k, v in before.items())  # version 1 whole: nothing of version 2
+    state["version"] = 2
+    assert push_weights(sync, fleet, learners.workers, 2) == 1
+    _assert_workers_hold(fleet, learners, 2)
 
 
 def test_kl_penalty_pulls_the_policy_back_to_the_starting_model(ray_session, fleet_cfg, tiny_model_dir):
