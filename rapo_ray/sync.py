@@ -106,10 +106,14 @@ class SyncGroup:
         self.spec: bytes | None = None  # the last push's spec: a push with the same layout does not resend it
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, world, opts)
 
-    def broadcast(self, t: torch.Tensor) -> None:
+    def broadcast_async(self, t: torch.Tensor):
+        """Start a broadcast from rank 0; the returned work's ``wait()`` ends it (and raises its error)."""
         if self.pg is None:
             raise RuntimeError(f"weight-sync group {self.name} was aborted")
-        self.pg.broadcast(t, 0).wait()
+        return self.pg.broadcast(t, 0)
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        self.broadcast_async(t).wait()
 
     def abort(self) -> None:
         """Close the connections, so members waiting in a broadcast fail now instead of at the timeout. Only the
@@ -128,23 +132,42 @@ def send_state(
     may be a collective (one FSDP gather per bucket);
     only the rank holding ``group`` sends. A failed send aborts the group (no receiver waits for the rest) and is
     raised after the last gather, so the other learner ranks are never left waiting in one; any other error aborts
-    the group and is raised at once.
-    Returns bytes sent and seconds spent gathering vs sending."""
+    the group and is raised at once. A bucket's broadcast runs while the next one is gathered; ``fetch`` may reuse a
+    buffer every other call. Returns bytes sent, seconds gathering, and seconds waiting for sends to finish."""
     buckets = plan_buckets(entries, bucket_bytes)
     gather_s = send_s = 0.0
     failure: BaseException | None = None
+    inflight: list = []  # (work, tensor) of the bucket being broadcast while the next one is gathered
 
-    def send(t: torch.Tensor) -> None:
+    def finish() -> None:
         nonlocal failure, send_s
-        if group is None or failure is not None:
+        if not inflight:
             return
         t0 = time.perf_counter()
+        work, _ = inflight.pop()
         try:
-            group.broadcast(t)
+            work.wait()
+        except Exception as exc:  # noqa: BLE001 - raised after the gathers below
+            failure = exc
+            del work  # (it holds the process group: abort() must drop the last reference)
+            group.abort()
+        send_s += time.perf_counter() - t0
+
+    def send(t: torch.Tensor, overlap: bool = False) -> None:
+        nonlocal failure
+        if group is None or failure is not None:
+            return
+        finish()  # one broadcast in flight at a time: the gather's two bucket buffers alternate
+        if failure is not None:
+            return
+        try:
+            inflight.append((group.broadcast_async(t), t))
         except Exception as exc:  # noqa: BLE001 - raised after the gathers below
             failure = exc
             group.abort()
-        send_s += time.perf_counter() - t0
+            return
+        if not overlap:
+            finish()
 
     try:
         spec = _spec_to_json(buckets)
@@ -157,9 +180,10 @@ def send_state(
             t0 = time.perf_counter()
             packed = fetch(bucket)  # even after a failed send: the other ranks wait in this gather
             gather_s += time.perf_counter() - t0
-            if group is not None and failure is None:
-                send(packed)
+            send(packed, overlap=True)
+        finish()
     except BaseException:  # a failed gather or pack: the receivers must not wait for the rest
+        inflight.clear()
         if group is not None:
             group.abort()
         raise
