@@ -4,8 +4,8 @@
     python benchmarks/bench_sync.py --sizes bundled --pushes 30
 
 For each ``model.size`` (randomly initialised, built under ``--artifacts``): two FSDP learner ranks and a fleet
-of torch-engine rollout workers on a local Ray, as the trainer has them. Per worker count: one push to form the
-group, then ``--pushes`` timed pushes (``WeightSync.push``: the driver's wall time from the call to every engine
+of rollout workers (torch engine; ``--engine vllm`` for the default job's) on a local Ray, as the trainer has
+them. Per worker count: one push to form the group, then ``--pushes`` timed pushes (``WeightSync.push``: the driver's wall time from the call to every engine
 having loaded the weights), and the bound: the same bytes (model bytes x workers, what sync rank 0 sends) from one
 process to another through one loopback TCP socket, measured right after. Writes JSON (``--out``) and prints a
 table.
@@ -73,7 +73,9 @@ def load_model_shapes(model_dir):
     return list(model.parameters())
 
 
-def ladder_rung(size: str, workers: list[int], pushes: int, artifacts: str, dtype: str, bucket_mb: float) -> list:
+def ladder_rung(
+    size: str, workers: list[int], pushes: int, artifacts: str, dtype: str, bucket_mb: float, engine: str
+) -> list:
     import ray
 
     from rapo_ray.config import load_config
@@ -88,7 +90,7 @@ def ladder_rung(size: str, workers: list[int], pushes: int, artifacts: str, dtyp
             f"model.size={size}",
             f"run.artifacts_dir={artifacts}",
             "algo.kl_coef=0",  # no reference copy: the ladder measures the sync, not the learner's memory
-            "rollout.engine=torch",
+            f"rollout.engine={engine}",
             "rollout.num_workers=1",
             "rollout.min_workers=1",
             f"rollout.max_workers={max(workers)}",
@@ -131,6 +133,7 @@ def ladder_rung(size: str, workers: list[int], pushes: int, artifacts: str, dtyp
                 bound = loopback_bound_ms(model_bytes * n)
                 row = {
                     "size": size,
+                    "engine": engine,
                     "workers": n,
                     "wire_dtype": sync.dtype,
                     "model_bytes": model_bytes,
@@ -167,13 +170,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--pushes", type=int, default=12, help="timed pushes per worker count (after one to warm up)")
     ap.add_argument("--dtype", default="float32", help="model.dtype of the engines (the wire dtype follows it)")
     ap.add_argument("--bucket-mb", type=float, default=32.0)
+    ap.add_argument("--engine", default="torch", help="rollout.engine of the workers (vllm: the default job's)")
     ap.add_argument("--artifacts", default="/tmp/rapo_bench_sync", help="where the ladder's models are built")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "sync.json"))
     args = ap.parse_args(argv)
     workers = [int(w) for w in args.workers.split(",")]
     rows = []
     for size in args.sizes.split(","):
-        rows += ladder_rung(size, workers, args.pushes, args.artifacts, args.dtype, args.bucket_mb)
+        rows += ladder_rung(size, workers, args.pushes, args.artifacts, args.dtype, args.bucket_mb, args.engine)
     print(
         f"\n{'size':>13} {'workers':>7} {'MB moved':>9} {'median ms':>9} {'p95 ms':>7} {'bound ms':>8} {'x bound':>7}"
     )
