@@ -83,11 +83,21 @@ def check_resources(cfg: Config) -> None:
     total = ray.cluster_resources()
     rc = cfg.resources
     cpus, gpus = total.get("CPU", 0), total.get("GPU", 0)
-    need_gpu = cfg.learner.world_size * rc.gpus_per_learner + cfg.rollout.min_workers * rc.gpus_per_rollout_worker
+    retrieval_gpu = (
+        cfg.retrieval.min_replicas * cfg.retrieval.num_gpus
+        if get_algorithm(cfg.algo.name).hybrid_slots(cfg.algo)
+        else 0
+    )
+    need_gpu = (
+        cfg.learner.world_size * rc.gpus_per_learner
+        + cfg.rollout.min_workers * rc.gpus_per_rollout_worker
+        + retrieval_gpu
+    )
     if need_gpu > gpus and not _autoscaling_cluster():
         raise ConfigError(
             f"resources: the run needs {need_gpu:g} GPUs (learner.world_size x resources.gpus_per_learner + "
-            f"rollout.min_workers x resources.gpus_per_rollout_worker) but the cluster has {gpus:g}"
+            f"rollout.min_workers x resources.gpus_per_rollout_worker + retrieval.min_replicas x retrieval.num_gpus) "
+            f"but the cluster has {gpus:g}"
         )
     need_cpu = cfg.learner.world_size * rc.cpus_per_learner + cfg.rollout.min_workers * rc.cpus_per_rollout_worker
     if need_cpu > cpus and not _autoscaling_cluster():

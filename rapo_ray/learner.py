@@ -168,15 +168,17 @@ class LearnerWorker:
     ):
         import torch.distributed as dist
 
+        from rapo_ray.devices import mixed_precision_policy, pick_device, set_deterministic, shard_model
         from rapo_ray.model import load_model, set_torch_threads
 
         self.cfg = from_dict(cfg_dict)
         set_torch_threads(1)
+        set_deterministic(self.cfg.run.deterministic)
         self.rank, self.world = rank, world_size
         self._sync_group = None  # rank 0's end of the weight-sync group (rapo_ray/sync.py)
         self._sync_buffers = ReusedBuffers()  # the gather's staging buffers, kept between pushes (~3 buckets' size)
-        use_cuda = torch.cuda.is_available() and self.cfg.resources.gpus_per_learner > 0
-        self.device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
+        self.device = pick_device(self.cfg.resources.gpus_per_learner, "resources.gpus_per_learner")
+        use_cuda = self.device.type == "cuda"
         backend = backend if backend != "auto" else ("nccl" if use_cuda else "gloo")
         os.environ.update(
             MASTER_ADDR="127.0.0.1" if not use_cuda else os.environ.get("MASTER_ADDR", "127.0.0.1"),
@@ -185,27 +187,23 @@ class LearnerWorker:
         if not dist.is_initialized():
             dist.init_process_group(backend, rank=rank, world_size=world_size)
         lc = self.cfg.learner
-        dtype = "bfloat16" if (lc.bf16 and use_cuda) else "float32"
-        model = load_model(model_dir, dtype=dtype, device=str(self.device))
+        # fp32 master weights always; bf16 compute on GPU (FSDP's policy, or autocast without FSDP)
+        mp_policy = mixed_precision_policy(lc.bf16, self.device) if lc.fsdp else None
+        self.autocast = lc.bf16 and use_cuda and not lc.fsdp
+        model = load_model(model_dir, dtype="float32", device=str(self.device))
         self.pad_id = model.config.pad_token_id or 0
         if lc.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         if lc.fsdp:
-            from torch.distributed.fsdp import fully_shard
-
-            for layer in model.model.layers:
-                fully_shard(layer)
-            fully_shard(model)
+            shard_model(model, mp_policy)
         self.model = model.train()
         # The KL penalty's reference is the policy the run started from (learners are always built from
         # the starting model; a resume loads the checkpoint into self.model only). Sharded like the policy.
         self.ref_model = None
         if self.cfg.algo.kl_coef > 0:
-            ref = load_model(model_dir, dtype=dtype, device=str(self.device)).eval().requires_grad_(False)
+            ref = load_model(model_dir, dtype="float32", device=str(self.device)).eval().requires_grad_(False)
             if lc.fsdp:
-                for layer in ref.model.layers:
-                    fully_shard(layer)
-                fully_shard(ref)
+                shard_model(ref, mp_policy)
             self.ref_model = ref
         self.opt = torch.optim.AdamW(
             model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay, betas=(0.9, 0.999), eps=1e-8
@@ -239,11 +237,15 @@ class LearnerWorker:
 
     def _logits(self, ids, attn, model=None):
         model = self.model if model is None else model
-        return model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device)).logits[:, :-1].float()
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            logits = model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device)).logits
+        return logits[:, :-1].float()
 
     def _target_logprobs(self, logits, ids):
-        """[B, L-1] log-prob of each next token under ``logits``."""
-        return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None].to(self.device))[..., 0]
+        """[B, L-1] log-prob of each next token under ``logits``: the target's logit minus the row's logsumexp,
+        which keeps no full-vocabulary log_softmax alive (at a 152k vocabulary, one more copy of the logits)."""
+        target = logits.gather(-1, ids[:, 1:, None].to(self.device))[..., 0]
+        return target - torch.logsumexp(logits, -1)
 
     @torch.no_grad()
     def forward_old(self, micro_batches: list[TrajectoryBatch]) -> list[tuple[list[float], list[float]]]:
@@ -383,7 +385,9 @@ class LearnerWorker:
             raise
 
     def save_checkpoint(self, path: str, tokenizer_dir: str) -> bool:
-        """Rank 0 writes the HF model and the full optimizer state into ``path`` (which must not exist yet)."""
+        """Rank 0 writes the HF model (in ``model.dtype``, what engines and serving load) and the full optimizer
+        state into ``path`` (which must not exist yet). When ``model.dtype`` is lower than the fp32 master
+        weights, those go into optimizer.pt as well, so that a resume continues from them exactly."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         sd = self.full_state_dict()
@@ -393,10 +397,14 @@ class LearnerWorker:
         if self.rank == 0:
             from rapo_ray.model import load_model, load_tokenizer, save_model
 
-            hf = load_model(tokenizer_dir)
-            hf.load_state_dict(sd, strict=False)
+            save_dtype = self.cfg.model.dtype
+            hf = load_model(tokenizer_dir, dtype=save_dtype)
+            hf.load_state_dict(sd, strict=False)  # cast to save_dtype on the copy
             save_model(hf, load_tokenizer(tokenizer_dir), path)
-            torch.save({"optimizer": osd, "scheduler": self.sched.state_dict()}, os.path.join(path, "optimizer.pt"))
+            master = {"master": sd} if save_dtype != "float32" else {}
+            torch.save(
+                {"optimizer": osd, "scheduler": self.sched.state_dict(), **master}, os.path.join(path, "optimizer.pt")
+            )
         return True
 
     def load_checkpoint(self, path: str) -> bool:
@@ -408,11 +416,11 @@ class LearnerWorker:
 
         from rapo_ray.model import load_model
 
-        full = load_model(path).state_dict()
-        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
-        set_model_state_dict(self.model, full, options=opts)
         # tensors and plain containers only: loading a checkpoint never runs code from it
         blob = torch.load(os.path.join(path, "optimizer.pt"), weights_only=True)
+        full = blob["master"] if "master" in blob else load_model(path).state_dict()
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+        set_model_state_dict(self.model, full, options=opts)
         set_optimizer_state_dict(self.model, self.opt, blob["optimizer"], options=opts)
         self.sched.load_state_dict(blob["scheduler"])
         return True
@@ -505,7 +513,7 @@ class LearnerGroup:
     def forward_old(self, batch: TrajectoryBatch) -> None:
         """Fill ``batch.old_logprobs`` and ``batch.entropies`` ([B][L_i]) under the current policy."""
         world = self.world_size
-        micro = max(1, self.cfg.learner.mini_batch_size // world)
+        micro = self.cfg.learner.micro_rows(self.cfg.learner.mini_batch_size // world)
         per_rank = split_for_ranks(batch, world, micro)
         results = _gather([w.forward_old.remote(mbs) for w, mbs in zip(self.workers, per_rank)])
         logp: list = [None] * len(batch)
@@ -520,7 +528,8 @@ class LearnerGroup:
 
         Each epoch shuffles the rows (seeded by ``trainer.seed``, ``step`` and the epoch) into mini-batches of
         ``learner.mini_batch_size``; each mini-batch's global loss denominator is fixed before any rank
-        computes a loss, and each rank gets one micro-batch of it."""
+        computes a loss, and each rank gets its share of it in micro-batches of ``learner.micro_batch_size`` rows
+        (its whole share by default)."""
         batch.require("old_logprobs", "advantage", "shaping")
         lc, world = self.cfg.learner, self.world_size
         agg = self.cfg.algo.loss_agg_mode
@@ -535,7 +544,7 @@ class LearnerGroup:
             else:
                 per_rank: list[list] = [[] for _ in range(world)]
                 for mini, denom in zip(minis, denoms):
-                    split = split_for_ranks(mini, world, micro=max(1, math.ceil(len(mini) / world)))
+                    split = split_for_ranks(mini, world, micro=lc.micro_rows(math.ceil(len(mini) / world)))
                     for rank in range(world):
                         per_rank[rank].append((split[rank], denom))
                 stats = _gather([w.update.remote(per_rank[r]) for r, w in enumerate(self.workers)])
@@ -547,7 +556,7 @@ class LearnerGroup:
         """One epoch's mini-batches as a Ray Data dataset (one block per micro-batch's worth of rows), read by
         the ranks through ``streaming_split``; each row carries its mini-batch index."""
         world = self.world_size
-        micro = max(1, math.ceil(self.cfg.learner.mini_batch_size / world))
+        micro = self.cfg.learner.micro_rows(math.ceil(self.cfg.learner.mini_batch_size / world))
         flat = TrajectoryBatch.concat(minis)
         mb_index = [k for k, mini in enumerate(minis) for _ in range(len(mini))]
         blocks = [

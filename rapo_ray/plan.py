@@ -17,12 +17,13 @@ def resource_plan(cfg: Config) -> str:
     rc, lc, ro, a = cfg.resources, cfg.learner, cfg.rollout, cfg.algo
     n_hybrid = get_algorithm(a.name).hybrid_slots(a)
     learner_cpu, learner_gpu = lc.world_size * rc.cpus_per_learner, lc.world_size * rc.gpus_per_learner
+    retrieval_gpu = cfg.retrieval.num_gpus if n_hybrid else 0.0  # per replica
     lines = [
         f"algorithm: {a.name} (G={a.group_size}, N_hybrid={n_hybrid}, clip {a.clip_low}/{a.clip_high}, "
         + (f"m={a.rapo.shaping_weight}, a={a.rapo.advantage_weight}, " if n_hybrid else "")
         + f"KL {a.kl_coef})",
         f"model: {cfg.model.path or 'bundled small Qwen2 (built and warm-started locally)'} ({cfg.model.dtype}"
-        + (", bf16 autocast" if lc.bf16 else "")
+        + (", bf16 mixed precision on GPU (fp32 master weights)" if lc.bf16 else "")
         + (", gradient checkpointing" if lc.gradient_checkpointing else "")
         + ")",
         f"batch: {cfg.trainer.prompts_per_step} prompts x {a.group_size} rollouts = {cfg.trainer.prompts_per_step * a.group_size} "
@@ -33,13 +34,15 @@ def resource_plan(cfg: Config) -> str:
         f"  rollout workers: {ro.num_workers} at start, {ro.min_workers}..{ro.max_workers} "
         f"({'autoscaled' if ro.autoscale else 'fixed unless scaled'}) x ({_res(rc.cpus_per_rollout_worker, rc.gpus_per_rollout_worker, rc.rollout_custom_resources)}), "
         f"engine {ro.engine}",
-        f"  retrieval:       Serve StepRetriever {cfg.retrieval.min_replicas}..{cfg.retrieval.max_replicas} replicas over Milvus "
+        f"  retrieval:       Serve StepRetriever {cfg.retrieval.min_replicas}..{cfg.retrieval.max_replicas} replicas "
+        f"({cfg.retrieval.num_gpus:g} GPU each) over Milvus "
         f"{cfg.retrieval.milvus_uri or '(embedded milvus-lite server)'}"
         if n_hybrid
         else "  retrieval:       none",
         f"  total at start:  {learner_cpu + ro.num_workers * rc.cpus_per_rollout_worker:g} CPU, "
-        f"{learner_gpu + ro.num_workers * rc.gpus_per_rollout_worker:g} GPU; at most "
-        f"{learner_cpu + ro.max_workers * rc.cpus_per_rollout_worker:g} CPU, {learner_gpu + ro.max_workers * rc.gpus_per_rollout_worker:g} GPU",
+        f"{learner_gpu + ro.num_workers * rc.gpus_per_rollout_worker + retrieval_gpu * cfg.retrieval.min_replicas:g} GPU; "
+        f"at most {learner_cpu + ro.max_workers * rc.cpus_per_rollout_worker:g} CPU, "
+        f"{learner_gpu + ro.max_workers * rc.gpus_per_rollout_worker + retrieval_gpu * cfg.retrieval.max_replicas:g} GPU",
         "data:",
     ]
     if cfg.tasks.families:

@@ -26,6 +26,7 @@ class RolloutWorker:
     def __init__(self, worker_id: int, model_dir: str, cfg_dict: dict, retrieval_app: str | None = None):
         from rapo_ray.agent.loop import AgentLoop, LoopSettings
         from rapo_ray.config import from_dict
+        from rapo_ray.devices import pick_device, set_deterministic
         from rapo_ray.engines import make_engine
         from rapo_ray.envs.suite import build_tools
         from rapo_ray.model import context_length, load_model_and_tokenizer, load_tokenizer, set_torch_threads
@@ -34,6 +35,7 @@ class RolloutWorker:
         self.cfg = cfg = from_dict(cfg_dict)
         set_torch_threads(cfg.rollout.threads_per_worker)
         self.worker_id = worker_id
+        set_deterministic(cfg.run.deterministic)
         self.tok = load_tokenizer(model_dir)
         max_context = context_length(model_dir)  # the checkpoint's own window (a real model's, not the bundled default)
         self.engine = make_engine(
@@ -43,6 +45,7 @@ class RolloutWorker:
             dtype=cfg.model.dtype,
             max_model_len=max_context,
             seed=cfg.trainer.seed + worker_id,
+            device=pick_device(cfg.resources.gpus_per_rollout_worker, "resources.gpus_per_rollout_worker"),
         )
         self.tools = build_tools(cfg.tasks, cfg.rollout, search_index_for(cfg.tasks))
         retriever = None

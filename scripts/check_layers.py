@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rapo_ray",
             "rapo_ray.net",
             "rapo_ray.config",
+            "rapo_ray.devices",
             "rapo_ray.metrics",
             "rapo_ray.checkpoints",
             "rapo_ray.agent.protocol",

@@ -6,7 +6,7 @@ import torch
 from rapo_ray.agent import protocol
 from rapo_ray.algos import token_entropy_from_logits
 from rapo_ray.engines import SamplingParams
-from rapo_ray.engines.torch_engine import TorchEngine
+from rapo_ray.engines.torch_engine import TorchEngine, sample_tokens
 from rapo_ray.engines.vllm_engine import vllm_available
 from rapo_ray.envs import tasks
 from rapo_ray.model import load_model
@@ -209,6 +209,55 @@ def test_torch_engine_generic_path_for_other_architectures(tiny_tokenizer, promp
     check_engine_against_hf(engine, model, prompts, exact_entropy=True)
 
 
+def test_sample_tokens_hand_computed():
+    """Row 0 greedy (temperature 0); row 1 top-p 0.5 keeps only its 0.98-probability token; row 2 samples
+    from two equal logits with the generator's stream (seeded: repeatable)."""
+    logits = torch.tensor([[0.0, 10.0, 0.0], [5.0, 0.0, 1.0], [3.0, 3.0, -50.0]])
+    temps, top_ps = torch.tensor([0.0, 1.0, 1.0]), torch.tensor([1.0, 0.5, 1.0])
+    draws = [sample_tokens(logits, temps, top_ps, torch.Generator().manual_seed(s)).tolist() for s in range(20)]
+    assert all(d[:2] == [1, 0] for d in draws)
+    assert {d[2] for d in draws} == {0, 1}
+    assert draws[3] == sample_tokens(logits, temps, top_ps, torch.Generator().manual_seed(3)).tolist()
+    greedy = sample_tokens(logits, torch.zeros(3), torch.ones(3), torch.Generator())
+    assert greedy.tolist() == [1, 0, 0]  # argmax; the tie in row 2 goes to the first index
+
+
+def test_sample_tokens_refuses_tensors_on_another_device():
+    """On a GPU the per-row temperatures and the generator must live with the logits (the bug a H100 found:
+    both were CPU-built). The meta device stands in for the GPU here."""
+    logits = torch.zeros((2, 3), device="meta")
+    temps, top_ps = torch.ones(2, device="meta"), torch.ones(2, device="meta")
+    with pytest.raises(ValueError, match="generator is on cpu, the logits on meta"):
+        sample_tokens(logits, temps, top_ps, torch.Generator())
+    with pytest.raises(ValueError, match="temps is on cpu, the logits on meta"):
+        sample_tokens(logits, torch.ones(2), top_ps, torch.Generator())
+
+
+def test_torch_engine_creates_every_tensor_on_the_model_device(tiny_model_dir, tiny_tokenizer, prompts):
+    """Device stand-in: the model sits on the CPU while torch's default device is ``meta``, so any tensor an
+    engine step makes without naming its device lands on meta and the step fails on mixing the two (what
+    happened on CUDA). Slot path and generic path, greedy, seeded and unseeded sampling."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tiny_tokenizer), n_positions=256, n_embd=32, n_layer=2, n_head=2))
+    engines = [
+        TorchEngine(load_model(tiny_model_dir), tiny_tokenizer, max_batch_size=2),
+        TorchEngine(gpt2.eval(), tiny_tokenizer),
+    ]
+    assert engines[0].continuous_batching and not engines[1].continuous_batching
+    params = [
+        SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=5, ignore_eos=True, seed=1),
+        SamplingParams(temperature=0.7, max_new_tokens=5, ignore_eos=True),
+    ]
+    for engine in engines:
+        assert engine.device == torch.device("cpu")
+        expected = [[r.token_ids for r in engine.generate(prompts, sp)] for sp in params[:2]]
+        with torch.device("meta"):
+            got = [[r.token_ids for r in engine.generate(prompts, sp)] for sp in params]
+        assert got[:2] == expected and all(len(t) == 5 for t in got[2])
+
+
 @pytest.mark.vllm
 @pytest.mark.skipif(not vllm_available(), reason="vLLM does not import here")
 def test_vllm_engine_matches_hf(tiny_model_dir, tiny_tokenizer, prompts):
@@ -220,6 +269,19 @@ def test_vllm_engine_matches_hf(tiny_model_dir, tiny_tokenizer, prompts):
         check_engine_against_hf(engine, model, prompts, exact_entropy=False)
         check_stops(engine, prompts, tiny_tokenizer)
         check_submit(engine, prompts)
+        assert engine.in_process  # the received tensors go straight to the model runner
         check_load_weights(engine, model, prompts)
+        # the same weights again through a safetensors file in /dev/shm (an engine core in another process)
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+        direct = engine.generate(prompts, greedy)
+        engine.in_process = False
+        engine.load_weights({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}, version=8)
+        via_file = engine.generate(prompts, greedy)
+        assert engine.version == 8 and [r.token_ids for r in via_file] == [r.token_ids for r in direct]
+        assert all(
+            torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-6)
+            for a, b in zip(direct, via_file)
+        )
+        assert not list(engine._shm.iterdir())
     finally:
         engine.close()

@@ -28,7 +28,8 @@ def test_paper_recipes_resolve_and_print_the_resource_plan(recipe, size):
     text = out.stdout
     assert f"Qwen2.5-{size}-Instruct" in text and "G=16, N_hybrid=8" in text and "m=0.05, a=0.2" in text
     assert "32 prompts x 16 rollouts" in text and "PPO mini-batch 16" in text and "lr 1e-06" in text
-    assert "4 x (4 CPU, 1 GPU)" in text and "engine vllm" in text and "total at start:  32 CPU, 8 GPU" in text
+    assert "4 x (4 CPU, 1 GPU) in one placement group" in text and "x (4 CPU, 0.9 GPU), engine vllm" in text
+    assert "replicas (0.1 GPU each)" in text and "total at start:  32 CPU, 7.7 GPU; at most 32 CPU, 7.8 GPU" in text
     assert text.count("\n  eval: ") == 8 and "toolstar/train_10k.parquet" in text
 
 

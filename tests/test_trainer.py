@@ -264,6 +264,53 @@ def test_kl_penalty_pulls_the_policy_back_to_the_starting_model(ray_session, fle
         ray.kill(actor)
 
 
+def test_micro_batches_accumulate_to_the_same_update(ray_session, fleet_cfg, tiny_model_dir):
+    """learner.micro_batch_size: a mini-batch's rows in 1-row micro-batches (gradients accumulated) give the
+    update that one 4-row micro-batch gives, to float tolerance; and the config splits a share as asked."""
+    from dataclasses import asdict, replace
+
+    from rapo_ray.agent.trajectory import Trajectory
+    from rapo_ray.batch import TrajectoryBatch
+    from rapo_ray.learner import LearnerWorker
+    from rapo_ray.metrics import merge_actor_stats
+    from rapo_ray.net import free_port
+
+    assert replace(fleet_cfg.learner, micro_batch_size=0).micro_rows(8) == 8
+    assert replace(fleet_cfg.learner, micro_batch_size=3).micro_rows(8) == 3
+    assert replace(fleet_cfg.learner, micro_batch_size=3).micro_rows(2) == 2
+    cfg = replace(fleet_cfg, learner=replace(fleet_cfg.learner, lr=3e-3, world_size=1))
+    trajs = [
+        Trajectory(f"g{i}", i, "on_policy", f"p{i}", "qa", (), prompt_ids=[3, 4, 5],
+                   response_ids=list(range(6, 12 + i)), loss_mask=[1] * (6 + i))
+        for i in range(4)
+    ]  # fmt: skip
+    batch = TrajectoryBatch(trajs)
+    denominator = float(sum(len(t.loss_mask) for t in trajs))
+    results = []
+    for split in ([batch], [batch.select([i]) for i in range(4)]):
+        actor = ray.remote(num_cpus=0.5)(LearnerWorker).remote(
+            0, 1, free_port(), str(tiny_model_dir), asdict(cfg), "gloo"
+        )
+        try:
+            old = ray.get(actor.forward_old.remote([batch]))
+            for mb in split:
+                rows = [trajs.index(t) for t in mb.trajectories]
+                mb.old_logprobs = [old[r][0] for r in rows]
+                mb.advantage, mb.shaping = [1.0 if r % 2 else -1.0 for r in rows], [1.0] * len(rows)
+            stats = merge_actor_stats([ray.get(actor.update.remote([(split, denominator)]))])
+            after = ray.get(actor.forward_old.remote([batch]))
+            results.append((stats, [lp for lp, _ in after], [lp for lp, _ in old]))
+        finally:
+            ray.get(actor.shutdown.remote())
+            ray.kill(actor)
+    (whole, after_whole, old), (micro, after_micro, _) = results
+    assert micro["loss_sum"] == pytest.approx(whole["loss_sum"], abs=1e-6)
+    assert micro["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
+    moved = max(abs(a - b) for row_a, row_b in zip(after_whole, old) for a, b in zip(row_a, row_b))
+    gap = max(abs(a - b) for row_a, row_b in zip(after_whole, after_micro) for a, b in zip(row_a, row_b))
+    assert moved > 1e-3 and gap < 1e-4 * moved
+
+
 def test_impossible_resources_fail_fast(ray_session, fleet_cfg):
     from rapo_ray.launcher import check_resources
     from tests.conftest import tiny_config

@@ -32,10 +32,11 @@ def make_engine(
     dtype: str = "float32",
     max_model_len: int = 1024,
     seed: int = 0,
+    device: str = "cpu",
 ) -> InferenceEngine:
     """Build the configured engine on an HF model folder. ``loader(model_dir, dtype) -> (model, tokenizer)``
     loads it for the torch engine (vLLM loads the folder itself); rapo_ray.model.load_model_and_tokenizer
-    is the usual one."""
+    is the usual one. ``device`` places the torch engine (vLLM finds its GPU itself)."""
     name = resolve_engine_name(rollout_cfg.engine)
     if name == "vllm":
         from rapo_ray.engines.vllm_engine import VLLMEngine
@@ -54,4 +55,4 @@ def make_engine(
         )
     from rapo_ray.engines.torch_engine import TorchEngine
 
-    return TorchEngine(*loader(model_dir, dtype))
+    return TorchEngine(*loader(model_dir, dtype), device=device)

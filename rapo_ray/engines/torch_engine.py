@@ -28,6 +28,7 @@ from collections import deque
 
 import torch
 
+from rapo_ray.devices import make_generator
 from rapo_ray.engines.base import GenerationResult, InferenceEngine, SamplingParams
 
 _SLOT_MODEL_TYPES = ("qwen2", "llama", "mistral")
@@ -185,9 +186,9 @@ class SlotDecoder:
         """Append ``chunks`` (right-padded) at cache positions ``start..`` of slots ``first_slot..``, whose
         positions ``< start`` already hold their keys and values; logits at each chunk's last token [B, V]."""
         B, T = len(chunks), max(len(c) for c in chunks)
-        ids = torch.zeros((B, T), dtype=torch.long)
+        ids = torch.zeros((B, T), dtype=torch.long, device="cpu")  # built on the CPU, moved once
         for r, c in enumerate(chunks):
-            ids[r, : len(c)] = torch.tensor(c, dtype=torch.long)
+            ids[r, : len(c)] = torch.tensor(c, dtype=torch.long, device="cpu")
         ids = ids.to(self.device)
         lengths = torch.tensor([len(c) for c in chunks], device=self.device)
         slots = slice(first_slot, first_slot + B)
@@ -267,14 +268,16 @@ class TorchEngine(InferenceEngine):
         model,
         tokenizer,
         max_batch_size: int = 64,
-        device: str = "cpu",
+        device: str | torch.device | None = None,
         prefill_token_budget: int = 16384,
         kv_initial_capacity: int = 256,
     ):
+        """``device``: where the model runs (None: where it already is). Every tensor a step creates, and the
+        sampling generators, live there too."""
         super().__init__()
-        self.model = model.to(device).eval()
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer
-        self.device = device
         self.max_batch_size = max_batch_size
         self.prefill_token_budget = prefill_token_budget
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -288,8 +291,7 @@ class TorchEngine(InferenceEngine):
         self._admitting: list[_Request] = []
         self._queue_lock = threading.Lock()
         self._step_lock = threading.Lock()
-        self._gen = torch.Generator(device="cpu")  # unseeded calls continue a stream drawn from torch's global RNG
-        self._gen.manual_seed(int(torch.randint(0, 2**62, (1,)).item()))
+        self._gen = make_generator(self.device)  # unseeded calls continue a stream drawn from torch's global RNG
         # statistics: decode steps, rows they decoded (mean batch = rows / steps), and requests admitted
         # while others were mid-decode
         self.decode_steps = 0
@@ -401,9 +403,9 @@ class TorchEngine(InferenceEngine):
         logits = logits.float()
         logp_full = torch.log_softmax(logits, dim=-1)
         entropy = -(logp_full.exp() * logp_full).sum(-1)
-        temps = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32)
-        top_ps = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32)
-        token = self._sample(logits, temps, top_ps, gen or self._gen)
+        temps = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32, device=logits.device)
+        top_ps = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32, device=logits.device)
+        token = sample_tokens(logits, temps, top_ps, gen or self._gen)
         chosen = logp_full.gather(-1, token[:, None])[:, 0]
         for r, t, lp, h in zip(reqs, token.tolist(), chosen.tolist(), entropy.tolist()):
             r.tokens.append(t)
@@ -449,10 +451,10 @@ class TorchEngine(InferenceEngine):
         from transformers import DynamicCache
 
         B, L = len(prompts), max(len(p) for p in prompts)
-        ids = torch.full((B, L), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((B, L), dtype=torch.long)
+        ids = torch.full((B, L), self.pad_id, dtype=torch.long, device="cpu")  # built on the CPU, moved once
+        attn = torch.zeros((B, L), dtype=torch.long, device="cpu")
         for i, p in enumerate(prompts):
-            ids[i, L - len(p) :] = torch.tensor(p, dtype=torch.long)
+            ids[i, L - len(p) :] = torch.tensor(p, dtype=torch.long, device="cpu")
             attn[i, L - len(p) :] = 1
         ids, attn = ids.to(self.device), attn.to(self.device)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
@@ -461,9 +463,7 @@ class TorchEngine(InferenceEngine):
             input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True
         ).logits[:, -1, :]
 
-        gen = torch.Generator(device="cpu")
-        seed = params[0].seed
-        gen.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+        gen = make_generator(self.device, params[0].seed)
         reqs = [_Request(list(p), sp) for p, sp in zip(prompts, params)]
         active = list(range(B))  # request of each live cache row
         next_pos = pos[:, -1] + 1
@@ -490,22 +490,6 @@ class TorchEngine(InferenceEngine):
 
         return [r.result for r in reqs]
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-        greedy = logits.argmax(-1)
-        if bool((temps == 0).all()):
-            return greedy
-        scaled = logits / temps.clamp(min=1e-6)[:, None]
-        probs = torch.softmax(scaled, dim=-1)
-        if bool((top_ps < 1).any()):
-            sorted_p, sorted_i = probs.sort(dim=-1, descending=True)
-            cum = sorted_p.cumsum(-1)
-            drop = (cum - sorted_p) >= top_ps[:, None]  # keep the smallest prefix whose mass reaches top_p
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter(-1, sorted_i, sorted_p)
-        sampled = torch.multinomial(probs, 1, generator=gen)[:, 0]
-        return torch.where(temps == 0, greedy, sampled)
-
     def _stop_reason(self, tokens: list[int], p: SamplingParams):
         last = tokens[-1]
         if last in p.stop_token_ids:
@@ -519,3 +503,31 @@ class TorchEngine(InferenceEngine):
                 if tail.endswith(s):
                     return s
         return None
+
+
+def sample_tokens(
+    logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor, gen: torch.Generator
+) -> torch.Tensor:
+    """One token per row: greedy where ``temps`` is 0, else temperature + nucleus (top-p) sampling.
+
+    logits [B, V] float; temps, top_ps [B] on the logits' device; ``gen`` on the logits' device too (CUDA's
+    multinomial rejects a CPU generator). Returns token ids [B] (long, same device).
+    """
+    for name, t in (("temps", temps), ("top_ps", top_ps)):
+        if t.device != logits.device:
+            raise ValueError(f"sample_tokens: {name} is on {t.device}, the logits on {logits.device}")
+    if gen.device != logits.device:
+        raise ValueError(f"sample_tokens: the generator is on {gen.device}, the logits on {logits.device}")
+    greedy = logits.argmax(-1)
+    if bool((temps == 0).all()):
+        return greedy
+    scaled = logits / temps.clamp(min=1e-6)[:, None]
+    probs = torch.softmax(scaled, dim=-1)
+    if bool((top_ps < 1).any()):
+        sorted_p, sorted_i = probs.sort(dim=-1, descending=True)
+        cum = sorted_p.cumsum(-1)
+        drop = (cum - sorted_p) >= top_ps[:, None]  # keep the smallest prefix whose mass reaches top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, sorted_i, sorted_p)
+    sampled = torch.multinomial(probs, 1, generator=gen)[:, 0]
+    return torch.where(temps == 0, greedy, sampled)

@@ -46,15 +46,17 @@ def on_gpu() -> bool:
 class RapoWeightSync:
     """vLLM worker extension (``worker_extension_cls``): in-place weight reload that is correct on CPU."""
 
-    def rapo_reload_weights(self, path: str, tied_lm_head: bool) -> int:
+    def rapo_reload_weights(self, source, tied_lm_head: bool) -> int:
+        """``source``: a safetensors path (engine core in another process), or the (name, tensor) pairs
+        themselves when the engine core runs in this process (no copy through a file)."""
         from safetensors import safe_open
 
-        def weights():
-            with safe_open(path, framework="pt") as f:
+        def from_file():
+            with safe_open(source, framework="pt") as f:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
 
-        self.model_runner.reload_weights(weights_iterator=weights())
+        self.model_runner.reload_weights(weights_iterator=from_file() if isinstance(source, str) else iter(source))
         model = self.model_runner.get_model()
         lm_head = getattr(model, "lm_head", None)
         if tied_lm_head and lm_head is not None and hasattr(lm_head, "quant_method"):
@@ -121,6 +123,10 @@ class VLLMEngine(InferenceEngine):
         self._driver: threading.Thread | None = None
         self._closing = False
         self._request_ids = itertools.count()
+        # With the engine core in this process (our default) a reload hands the received tensors straight to the
+        # model runner; otherwise they travel through a safetensors file in /dev/shm. At the 0.5B shape the file
+        # was one more full copy per worker, enough to run this box out of memory (docs/RESULTS.md).
+        self.in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
         self.llm = None  # close() works even if LLM() below fails
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
@@ -234,17 +240,23 @@ class VLLMEngine(InferenceEngine):
     def load_weights(self, state_dict: dict, version: int) -> None:
         from safetensors.torch import save_file
 
-        path = self._shm / f"v{version}.safetensors"
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+        tensors = {k: v.detach() for k, v in state_dict.items()}
         if self.tied:
-            tensors.pop("lm_head.weight", None)  # shares storage with the embedding; safetensors refuses aliases
-        save_file(tensors, str(path))
+            tensors.pop("lm_head.weight", None)  # shares storage with the embedding (and safetensors refuses aliases)
+        path = None
+        if self.in_process:
+            source = list(tensors.items())
+        else:
+            path = self._shm / f"v{version}.safetensors"
+            save_file({k: v.to("cpu").contiguous() for k, v in tensors.items()}, str(path))
+            source = str(path)
         try:
             with self._engine_lock:  # between two engine steps; requests in flight continue on the new weights
-                self.llm.collective_rpc("rapo_reload_weights", args=(str(path), self.tied))
+                self.llm.collective_rpc("rapo_reload_weights", args=(source, self.tied))
                 self.llm.reset_prefix_cache()
         finally:
-            path.unlink(missing_ok=True)
+            if path is not None:
+                path.unlink(missing_ok=True)
         self.version = int(version)
 
     def close(self) -> None:

@@ -47,16 +47,28 @@ def preprocess(text: str, max_chars: int = 1300) -> str:
 
 
 class Embedder:
-    def __init__(self, pooling: str = "last", max_chars: int = 1300, max_length: int = 512, batch_size: int = 64):
+    def __init__(
+        self,
+        pooling: str = "last",
+        max_chars: int = 1300,
+        max_length: int = 512,
+        batch_size: int = 64,
+        device: str | torch.device = "cpu",
+    ):
+        """``device``: where MiniLM runs (``auto``: the GPU where one is visible). Vectors come back as numpy
+        float32 whatever the device, and equal the CPU's to float tolerance (fp32 on every device)."""
+        from rapo_ray.devices import parse_device
+
         if pooling not in ("last", "mean"):
             raise ValueError(f"pooling must be 'last' or 'mean', got {pooling!r}")
+        self.device = parse_device(device)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoModel, AutoTokenizer
 
         path = minilm_path()
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         self.tokenizer.padding_side = "left"
-        self.model = AutoModel.from_pretrained(str(path)).eval()
+        self.model = AutoModel.from_pretrained(str(path)).eval().to(self.device)
         self.pooling, self.max_chars, self.max_length, self.batch_size = pooling, max_chars, max_length, batch_size
         self.dim = int(self.model.config.hidden_size)
 
@@ -67,6 +79,7 @@ class Embedder:
         for i in range(0, len(texts), self.batch_size):
             chunk = [preprocess(t, self.max_chars) for t in texts[i : i + self.batch_size]]
             enc = self.tokenizer(chunk, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
+            enc = {k: v.to(self.device) for k, v in enc.items()}
             # positions 0.. from each row's first real token, whatever the padding (see the module docstring)
             positions = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
             hidden = self.model(**enc, position_ids=positions).last_hidden_state
@@ -76,7 +89,7 @@ class Embedder:
                 m = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
                 vec = (hidden * m).sum(1) / m.sum(1).clamp(min=1)
             vec = torch.nn.functional.normalize(vec.float(), dim=-1)
-            out[i : i + len(chunk)] = vec.numpy()
+            out[i : i + len(chunk)] = vec.cpu().numpy()
         return out
 
     __call__ = embed

@@ -44,17 +44,21 @@ class StepRetrieverService:
         batch_wait_ms: float = 5.0,
         batching: bool = True,
         search_on: str = "replica",
+        num_gpus: float = 0.0,
     ):
         import torch
 
         torch.set_num_threads(1)
+        from rapo_ray.devices import pick_device
         from rapo_ray.retrieval.embedder import Embedder
         from rapo_ray.retrieval.replica_index import ReplicaIndex
         from rapo_ray.retrieval.store import MilvusStepStore
 
         if search_on not in ("replica", "milvus"):
             raise ValueError(f"retrieval.search_on={search_on!r}; valid: replica, milvus")
-        self.embedder = Embedder(pooling=pooling, max_chars=max_chars)
+        self.embedder = Embedder(
+            pooling=pooling, max_chars=max_chars, device=pick_device(num_gpus, "retrieval.num_gpus")
+        )
         self.store = MilvusStepStore(uri, collection, self.embedder.dim, token=token, create=True)
         # Searches go to an in-memory copy (exact, milliseconds) or to Milvus's HNSW index.
         self.index = ReplicaIndex.from_store(self.store) if search_on == "replica" else None
@@ -151,6 +155,7 @@ def build_app(rcfg, uri: str, batching: bool = True):
             "target_ongoing_requests": rcfg.target_ongoing_requests,
         },
         max_ongoing_requests=max(rcfg.max_batch_size, 64),
+        ray_actor_options={"num_cpus": 0, "num_gpus": rcfg.num_gpus},
     ).bind(
         uri,
         rcfg.collection,
@@ -162,6 +167,7 @@ def build_app(rcfg, uri: str, batching: bool = True):
         rcfg.batch_wait_ms,
         batching,
         rcfg.search_on,
+        rcfg.num_gpus,
     )
 
 

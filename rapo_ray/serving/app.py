@@ -32,6 +32,7 @@ from ray import serve
 
 from rapo_ray.algos.entropy import GENERATED
 from rapo_ray.config import Config, ConfigError, from_dict, load_config, to_dict
+from rapo_ray.devices import pick_device, set_deterministic
 from rapo_ray.model import context_length, load_model_and_tokenizer, resolve_checkpoint
 from rapo_ray.serving.chat import (
     FINISH_REASON,
@@ -61,24 +62,27 @@ def _sse(obj) -> str:
 
 
 def _make_engine(sc, cfg: Config, model_dir: str, tokenizer):
-    """serve.engine_factory if set; else vLLM on a GPU, the torch engine on CPU (or what serve.engine names)."""
+    """serve.engine_factory if set; else what serve.engine names, where auto is vLLM on a replica given a GPU
+    (serve.num_gpus) and the torch engine otherwise (on that GPU if it has one and vLLM does not import)."""
     if sc.engine_factory:
         module, _, fn = sc.engine_factory.partition(":")
         if not fn:
             raise ConfigError(f"serve.engine_factory={sc.engine_factory!r} must be 'module:function'")
         return getattr(importlib.import_module(module), fn)(model_dir, tokenizer, **sc.engine_kwargs)
     from rapo_ray.engines import make_engine
-    from rapo_ray.engines.vllm_engine import on_gpu, vllm_available
+    from rapo_ray.engines.vllm_engine import vllm_available
 
+    device = pick_device(sc.num_gpus, "serve.num_gpus")
     name = sc.engine
     if name == "auto":
-        name = "vllm" if on_gpu() and vllm_available() else "torch"
+        name = "vllm" if device.type == "cuda" and vllm_available() else "torch"
     return make_engine(
         replace(cfg.rollout, engine=name),
         model_dir,
         load_model_and_tokenizer,
         dtype=cfg.model.dtype,
         max_model_len=context_length(model_dir),
+        device=device,
     )
 
 
@@ -108,6 +112,7 @@ class AgentServer:
 
         set_torch_threads(max(1, int(os.environ.get("RAPO_SERVE_THREADS", "1"))))
         self.cfg: Config = from_dict(cfg_dict)
+        set_deterministic(self.cfg.run.deterministic)
         sc = self.cfg.serve
         self.model_dir, self.model_name = model_dir, model_name
         self.tok = load_tokenizer(model_dir)

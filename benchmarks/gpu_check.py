@@ -1,0 +1,448 @@
+"""GPU acceptance check (issue #18): one command that says whether this machine's GPU path works, and how fast.
+
+    python benchmarks/gpu_check.py                   # on a CUDA machine: the Qwen2.5-0.5B shape, full sizes
+    python benchmarks/gpu_check.py --device cpu --quick   # the same checks on the CPU, small (the suite runs it)
+
+Needs only torch and transformers (a bare GPU box may have nothing else): the vLLM part runs where vLLM imports
+and is skipped, saying so, where it does not. Ray and Milvus are never needed: the retrieval check runs the
+replica's batch path (embed a batch of histories, exact search over an in-memory copy of stored steps), which is
+what a Serve retrieval replica does per batch.
+
+Checks (each PASS / FAIL / SKIP with its numbers):
+- engine greedy == ``generate`` token for token in fp32, logprobs equal a teacher-forced pass;
+- seeded sampling (temperature 1, top-p 0.9) repeats exactly, and its logprobs equal a teacher-forced pass;
+- one learner update (world size 1, NCCL on CUDA, gloo on CPU, FSDP2) in bf16 mixed precision at the paper's
+  lr 1e-6: finite loss and gradient norm, fp32 master weights that moved;
+- the updated weights loaded into the engine: the engine's logprobs equal the updated model's;
+- vLLM (where it imports, CUDA only): greedy == ``generate`` and the same weight load;
+- throughput: torch engine vs ``generate`` tokens/s at batch 16/64/256 (the model's dtype: bf16 on CUDA);
+- embedder texts/s and latency p50/p99 at batch 1 and 32 (1,300-character histories), and the retrieval batch
+  path (embed 32 queries + exact top-3 over 50k stored steps) with its recall@1 against brute force.
+
+Writes a JSON report (``--out``) and prints a table; exits 1 if any check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from rapo_ray.agent import protocol  # noqa: E402
+from rapo_ray.devices import make_generator, mixed_precision_policy, parse_device, shard_model  # noqa: E402
+from rapo_ray.engines import SamplingParams  # noqa: E402
+from rapo_ray.engines.torch_engine import TorchEngine  # noqa: E402
+from rapo_ray.envs import tasks  # noqa: E402
+
+
+class Skip(Exception):
+    pass
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_model_dir(size: str, artifacts: str) -> Path:
+    """The bundled tokenizer with a randomly initialised model of the named shape (built once under artifacts)."""
+    from rapo_ray.config import load_config
+    from rapo_ray.model import ensure_bundled_model
+
+    cfg = load_config(overrides=[f"run.artifacts_dir={artifacts}", f"model.size={size}"])
+    return ensure_bundled_model(cfg)
+
+
+def load(model_dir: Path, device: torch.device, dtype=torch.float32, scale: float = 8.0):
+    """The model with its embedding scaled (8x by default): random init gives near-uniform logits, and greedy
+    comparisons between two correct implementations would then be decided by float noise."""
+    from rapo_ray.model import load_model
+
+    model = load_model(model_dir)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(scale)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def prompts_for(tok, n: int) -> list[list[int]]:
+    probs = tasks.generate("arith", "test", n, 0)
+    return [tok(protocol.render_prompt(p.question), add_special_tokens=False)["input_ids"] for p in probs]
+
+
+def teacher_forced(model, prompt: list[int], generated: list[int]) -> torch.Tensor:
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt + generated], device=device)
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(generated, device=device)[:, None])[:, 0].cpu()
+
+
+def max_logprob_gap(model, prompts, results) -> float:
+    gaps = [
+        (torch.tensor(r.logprobs) - teacher_forced(model, p, r.token_ids)).abs().max().item()
+        for p, r in zip(prompts, results)
+    ]
+    return max(gaps)
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt], device=device)
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+# ---------------------------------------------------------------- checks
+
+
+def check_engine(model_dir, tok, device, n_prompts: int, new_tokens: int) -> dict:
+    model = load(model_dir, device)
+    engine = TorchEngine(load(model_dir, device), tok, max_batch_size=n_prompts)
+    prompts = prompts_for(tok, n_prompts)
+    greedy = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True))
+    same = sum(r.token_ids == hf_greedy(model, p, new_tokens) for p, r in zip(prompts, greedy))
+    greedy_gap = max_logprob_gap(model, prompts, greedy)
+    # sampling on the unscaled model, whose flat distributions make samples differ from greedy
+    model = load(model_dir, device, scale=1.0)
+    engine = TorchEngine(load(model_dir, device, scale=1.0), tok, max_batch_size=n_prompts)
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=new_tokens, ignore_eos=True, seed=7)
+    a = engine.generate(prompts, sp)
+    b = engine.generate(prompts, sp)
+    plain = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True))
+    out = {
+        "greedy_equals_generate": f"{same}/{len(prompts)}",
+        "greedy_logprob_gap": greedy_gap,
+        "seeded_sampling_repeats": all(x.token_ids == y.token_ids for x, y in zip(a, b)),
+        "sampled_logprob_gap": max_logprob_gap(model, prompts, a),
+        "samples_unlike_greedy": f"{sum(x.token_ids != g.token_ids for x, g in zip(a, plain))}/{len(prompts)}",
+    }
+    out["ok"] = (
+        same == len(prompts)
+        and out["greedy_logprob_gap"] < 1e-3
+        and out["seeded_sampling_repeats"]
+        and out["sampled_logprob_gap"] < 1e-3
+    )
+    return out
+
+
+def check_learner_update(model_dir, tok, device, state: dict) -> dict:
+    """One RAPO/GRPO policy-loss update on FSDP2 (world size 1) in bf16 mixed precision at lr 1e-6."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from rapo_ray.algos import PolicyLossConfig, policy_loss
+    from rapo_ray.model import load_model
+    from rapo_ray.net import free_port
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        policy = mixed_precision_policy(True, device)
+        model = load_model(model_dir).to(device).train()  # fp32 master weights
+        shard_model(model, policy)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        gen = make_generator("cpu", 0)
+        ids = torch.randint(0, len(tok), (4, 64), generator=gen, device="cpu").to(device)
+        logits = model(input_ids=ids).logits[:, :-1]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+        adv = torch.tensor([1.0, -1.0, 0.5, -0.5], device=device)[:, None].expand_as(logp)
+        loss, stats = policy_loss(logp, logp.detach(), adv, torch.ones_like(logp), PolicyLossConfig())
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        opt.step()
+        after = model.state_dict()
+        changed = sum(int((after[k].to_local() != before[k].to_local()).sum()) for k in before)
+        total = sum(before[k].to_local().numel() for k in before)
+        master = {str(p.dtype) for p in model.parameters()}
+        adam = {str(s["exp_avg"].dtype) for s in opt.state.values()}
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state.update({k: v.detach().clone() for k, v in full.items()})
+        out = {
+            "backend": backend,
+            "compute_dtype": str(logits.dtype),
+            "master_dtype": ",".join(sorted(master)),
+            "adam_state_dtype": ",".join(sorted(adam)),
+            "loss": float(loss.detach()),
+            "grad_norm": grad_norm,
+            "weights_changed_frac": changed / total,
+        }
+        want_compute = "torch.bfloat16" if device.type == "cuda" else "torch.float32"  # fp32 throughout on CPU
+        out["ok"] = (
+            torch.isfinite(torch.tensor([out["loss"], grad_norm])).all().item()
+            and out["compute_dtype"] == want_compute
+            and out["master_dtype"] == "torch.float32"
+            and out["adam_state_dtype"] == "torch.float32"
+            and changed > 0
+        )
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def check_weight_load(model_dir, tok, device, state: dict, n_prompts: int, new_tokens: int) -> dict:
+    """The learner's updated weights into the engine (tied lm_head left out, as the sync sends them)."""
+    if not state:
+        raise Skip("the learner update did not run")
+    from rapo_ray.model import load_model
+
+    updated = load_model(model_dir).to(device).eval()
+    updated.load_state_dict(state)
+    engine = TorchEngine(load_model(model_dir), tok, device=device, max_batch_size=n_prompts)
+    sent = {k: v for k, v in state.items() if not (k == "lm_head.weight" and updated.config.tie_word_embeddings)}
+    engine.load_weights(sent, version=1)
+    prompts = prompts_for(tok, n_prompts)
+    res = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True))
+    gap = max_logprob_gap(updated, prompts, res)
+    return {"engine_version": engine.version, "logprob_gap_vs_updated_model": gap, "ok": gap < 1e-3}
+
+
+def check_vllm(model_dir, tok, device, state: dict, n_prompts: int, new_tokens: int) -> dict:
+    if device.type != "cuda":
+        raise Skip("vLLM is checked on CUDA only (its CPU build is covered by the test suite)")
+    from rapo_ray.engines.vllm_engine import VLLMEngine, vllm_available
+
+    if not vllm_available():
+        raise Skip("vLLM does not import here")
+    from rapo_ray.model import load_model
+
+    engine = VLLMEngine(model_dir, dtype="float32", max_model_len=1024, gpu_memory_utilization=0.3)
+    try:
+        model = load_model(model_dir).to(device).eval()
+        prompts = prompts_for(tok, n_prompts)
+        res = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True))
+        same = sum(r.token_ids == hf_greedy(model, p, new_tokens) for p, r in zip(prompts, res))
+        out = {
+            "greedy_equals_generate": f"{same}/{len(prompts)}",
+            "greedy_logprob_gap": max_logprob_gap(model, prompts, res),
+        }
+        if state:
+            model.load_state_dict(state)
+            engine.load_weights(state, version=1)
+            res = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True))
+            out["logprob_gap_after_load"] = max_logprob_gap(model, prompts, res)
+        out["ok"] = out["greedy_logprob_gap"] < 5e-3 and out.get("logprob_gap_after_load", 0.0) < 5e-3
+        return out
+    finally:
+        engine.close()
+
+
+def bench_engine(model_dir, tok, device, batches: list[int], new_tokens: int) -> dict:
+    """Torch engine vs ``generate``, same prompts, greedy, ``new_tokens`` each (bf16 on CUDA, fp32 on CPU)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = load(model_dir, device, dtype)
+    engine = TorchEngine(load(model_dir, device, dtype), tok, max_batch_size=max(batches))
+    base = prompts_for(tok, 16)
+    rows = {}
+    for b in batches:
+        prompts = [base[i % len(base)] for i in range(b)]
+        sp = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+        engine.generate(prompts[:2], SamplingParams(temperature=0.0, max_new_tokens=4))  # warm-up
+        sync(device)
+        t0 = time.perf_counter()
+        engine.generate(prompts, sp)
+        sync(device)
+        engine_s = time.perf_counter() - t0
+        width = max(len(p) for p in prompts)
+        ids = torch.full((b, width), 0, dtype=torch.long, device="cpu")
+        attn = torch.zeros((b, width), dtype=torch.long, device="cpu")
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            attn[i, width - len(p) :] = 1
+        ids, attn = ids.to(device), attn.to(device)
+        kw = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+        model.generate(ids[:2], attention_mask=attn[:2], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+        sync(device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=attn, **kw)
+        sync(device)
+        hf_s = time.perf_counter() - t0
+        tokens = b * new_tokens
+        rows[f"batch_{b}"] = {
+            "engine_tok_s": tokens / engine_s,
+            "generate_tok_s": tokens / hf_s,
+            "engine_over_generate": hf_s / engine_s,
+            "engine_ms_per_decode_step": 1000 * engine_s / new_tokens,
+        }
+    return {"dtype": str(dtype), "new_tokens": new_tokens, **rows, "ok": True}
+
+
+def history_texts(n: int) -> list[str]:
+    """1,300-character agent histories (what a retrieval query embeds), all different."""
+    texts = []
+    for i, p in enumerate(tasks.generate("multihop", "test", n, 1)):
+        body = f"{p.question}\n<think>step {i}: look up the first fact, then compute.</think>"
+        texts.append((body * (1300 // len(body) + 1))[-1300:])
+    return texts
+
+
+def bench_embedder(device, batches: list[int], reps: int, stored: int) -> dict:
+    import numpy as np
+
+    from rapo_ray.retrieval.embedder import Embedder
+    from rapo_ray.retrieval.replica_index import ReplicaIndex
+
+    try:
+        emb = Embedder(device=device)
+    except RuntimeError as exc:
+        raise Skip(str(exc)) from exc
+    out = {}
+    texts = history_texts(max(batches) * 2)
+    for b in batches:
+        emb.embed(texts[:b])  # warm-up
+        lat = []
+        for r in range(reps):
+            chunk = texts[(r * b) % len(texts) :][:b] or texts[:b]
+            t0 = time.perf_counter()
+            emb.embed(chunk)  # returns numpy: the device work has finished
+            lat.append(time.perf_counter() - t0)
+        lat.sort()
+        p50, p99 = statistics.median(lat), lat[min(len(lat) - 1, int(0.99 * len(lat)))]
+        out[f"batch_{b}"] = {"texts_s": b / p50, "p50_ms": 1000 * p50, "p99_ms": 1000 * p99}
+    # the retrieval replica's batch path: embed the batch's queries, exact top-3 over the stored steps
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((stored, emb.dim)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    queries = emb.embed(texts[:32])
+    vectors[: len(queries)] = queries  # each query's own vector is stored: its exact top-1 is known
+    index = ReplicaIndex(emb.dim)
+    index.add([f"s{i}" for i in range(stored)], vectors, [("v", "[]", 1.0, f"q{i}") for i in range(stored)])
+    lat = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        hits = index.search(emb.embed(texts[:32]), 3)
+        lat.append(time.perf_counter() - t0)
+    lat.sort()
+    exact = np.argmax(queries @ vectors.T, axis=1)
+    recall = float(np.mean([h[0].question_id == f"q{e}" for h, e in zip(hits, exact)]))
+    out["retrieval_batch_32"] = {
+        "stored": stored,
+        "p50_ms": 1000 * statistics.median(lat),
+        "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+        "recall_at_1": recall,
+    }
+    out["device"] = str(emb.device)
+    out["ok"] = recall >= 0.99
+    return out
+
+
+# ---------------------------------------------------------------- driver
+
+
+def run_check(name: str, fn, report: dict) -> None:
+    t0 = time.perf_counter()
+    try:
+        result = fn()
+        status = "PASS" if result.pop("ok") else "FAIL"
+    except Skip as exc:
+        result, status = {"reason": str(exc)}, "SKIP"
+    except Exception as exc:  # a check that crashes is a failed check; the others still run
+        result, status = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}, "FAIL"
+    report["checks"][name] = {"status": status, "seconds": round(time.perf_counter() - t0, 1), **result}
+    print(f"{status:4}  {name}", flush=True)
+
+
+def table(report: dict) -> str:
+    lines = [f"GPU check on {report['machine']['device_name']} ({report['machine']['device']}), shape {report['size']}"]
+    for name, r in report["checks"].items():
+        lines.append(f"  {r['status']:4}  {name}  ({r['seconds']} s)")
+        for k, v in r.items():
+            if k in ("status", "seconds", "traceback"):
+                continue
+            if isinstance(v, dict):
+                v = ", ".join(f"{a}={b:.4g}" if isinstance(b, float) else f"{a}={b}" for a, b in v.items())
+            elif isinstance(v, float):
+                v = f"{v:.4g}"
+            lines.append(f"        {k}: {v}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="auto", help="auto (CUDA where visible, else CPU), cuda, cuda:N, cpu")
+    ap.add_argument("--size", default="", help="model.size to build; default: qwen2.5-0.5b on CUDA, bundled on CPU")
+    ap.add_argument("--quick", action="store_true", help="small batches and few tokens (the CPU smoke run)")
+    ap.add_argument("--artifacts", default="/tmp/rapo_gpu_check", help="where the model is built")
+    ap.add_argument("--out", default="benchmarks/results/gpu_check.json", help="JSON report")
+    args = ap.parse_args(argv)
+    device = parse_device(args.device)
+    if device.type != "cuda":
+        print("no CUDA device in use: running the checks on the CPU (the GPU path itself is not exercised)")
+    size = args.size or ("qwen2.5-0.5b" if device.type == "cuda" else "bundled")
+    quick = args.quick
+    n_prompts, new_tokens = (3, 8) if quick else (8, 32)
+    batches = [2, 4] if quick else [16, 64, 256]
+    bench_tokens = 8 if quick else 128
+
+    from rapo_ray.model import load_tokenizer
+
+    model_dir = build_model_dir(size, args.artifacts)
+    tok = load_tokenizer(model_dir)
+    report = {
+        "machine": {
+            "device": str(device),
+            "device_name": torch.cuda.get_device_name(device)
+            if device.type == "cuda"
+            else platform.processor() or "cpu",
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "python": platform.python_version(),
+        },
+        "size": size,
+        "quick": quick,
+        "checks": {},
+    }
+    state: dict = {}
+    run_check(
+        "engine: greedy, seeded sampling, logprobs",
+        lambda: check_engine(model_dir, tok, device, n_prompts, new_tokens),
+        report,
+    )
+    run_check(
+        "learner: one bf16 mixed-precision update", lambda: check_learner_update(model_dir, tok, device, state), report
+    )
+    run_check(
+        "weights: learner -> torch engine",
+        lambda: check_weight_load(model_dir, tok, device, state, n_prompts, new_tokens),
+        report,
+    )
+    run_check(
+        "vllm: greedy and weight load", lambda: check_vllm(model_dir, tok, device, state, n_prompts, new_tokens), report
+    )
+    run_check(
+        "throughput: torch engine vs generate",
+        lambda: bench_engine(model_dir, tok, device, batches, bench_tokens),
+        report,
+    )
+    run_check(
+        "embedder and retrieval batch path",
+        lambda: bench_embedder(
+            device, [1, 32] if not quick else [1, 4], 30 if not quick else 3, 50000 if not quick else 500
+        ),
+        report,
+    )
+    print(table(report))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(f"report: {args.out}")
+    return 1 if any(r["status"] == "FAIL" for r in report["checks"].values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
