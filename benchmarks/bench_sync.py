@@ -124,11 +124,13 @@ def ladder_rung(
                 fleet.scale(n)
                 version = 1
                 sync.push(learners.workers, fleet.handles(), version)  # forms the group for these members
-                times, breakdown = [], []
+                times, breakdown, engine_side = [], [], []
                 for _ in range(pushes):
                     version += 1
                     times.append(sync.push(learners.workers, fleet.handles(), version))
                     breakdown.append(sync.last)
+                    # the first worker's own clock: receiving the buckets vs loading them into its engine
+                    engine_side.append(ray.get(fleet.handles()[0].__ray_call__.remote(lambda w: w.last_receive)))
                 model_bytes = sync.last["bytes"]
                 bound = loopback_bound_ms(model_bytes * n)
                 row = {
@@ -144,6 +146,8 @@ def ladder_rung(
                     "p95_ms": percentile(times, 0.95),
                     "gather_ms_median": 1000 * statistics.median(b["gather_s"] for b in breakdown),
                     "send_ms_median": 1000 * statistics.median(b["send_s"] for b in breakdown),
+                    "engine_receive_ms_median": 1000 * statistics.median(e["receive_s"] for e in engine_side),
+                    "engine_load_ms_median": 1000 * statistics.median(e["load_s"] for e in engine_side),
                     "bound_ms": bound,
                 }
                 row["x_bound"] = row["median_ms"] / bound

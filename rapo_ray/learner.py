@@ -395,12 +395,10 @@ class LearnerWorker:
             self.model, self.opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
         if self.rank == 0:
-            from rapo_ray.model import load_model, load_tokenizer, save_model
+            from rapo_ray.model import load_tokenizer, model_from_state_dict, save_model
 
             save_dtype = self.cfg.model.dtype
-            hf = load_model(tokenizer_dir, dtype=save_dtype)
-            hf.load_state_dict(sd, strict=False)  # cast to save_dtype on the copy
-            save_model(hf, load_tokenizer(tokenizer_dir), path)
+            save_model(model_from_state_dict(tokenizer_dir, sd, save_dtype), load_tokenizer(tokenizer_dir), path)
             master = {"master": sd} if save_dtype != "float32" else {}
             torch.save(
                 {"optimizer": osd, "scheduler": self.sched.state_dict(), **master}, os.path.join(path, "optimizer.pt")

@@ -123,7 +123,7 @@ class RolloutWorker:
             raise
         t1 = time.perf_counter()
         self.engine.load_weights(state_dict, version)
-        self.last_receive = {"receive_s": t1 - t0, "load_s": time.perf_counter() - t1}  # read by bench_sync
+        self.last_receive = {"receive_s": t1 - t0, "load_s": time.perf_counter() - t1}  # bench_sync reports it
         return version
 
     def state_dict(self) -> dict:

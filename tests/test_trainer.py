@@ -311,6 +311,59 @@ def test_micro_batches_accumulate_to_the_same_update(ray_session, fleet_cfg, tin
     assert moved > 1e-3 and gap < 1e-4 * moved
 
 
+def test_checkpoint_in_a_lower_dtype_keeps_fp32_master_weights(ray_session, fleet_cfg, tiny_model_dir, tmp_path):
+    """model.dtype=bfloat16: the checkpoint is an HF folder in bf16 (what engines and serving load), and a resume
+    continues from the exact fp32 master weights kept in optimizer.pt, not from their bf16 rounding."""
+    from dataclasses import asdict, replace
+
+    from safetensors import safe_open
+
+    from rapo_ray.agent.trajectory import Trajectory
+    from rapo_ray.batch import TrajectoryBatch
+    from rapo_ray.learner import LearnerWorker
+    from rapo_ray.model import load_model
+    from rapo_ray.net import free_port
+
+    cfg = replace(
+        fleet_cfg,
+        model=replace(fleet_cfg.model, dtype="bfloat16"),
+        learner=replace(fleet_cfg.learner, lr=3e-3, world_size=1),
+    )
+    make = ray.remote(num_cpus=0.5)(LearnerWorker)
+    trajs = [
+        Trajectory(f"g{i}", i, "on_policy", f"p{i}", "qa", (), prompt_ids=[3, 4, 5],
+                   response_ids=list(range(6, 12 + i)), loss_mask=[1] * (6 + i))
+        for i in range(2)
+    ]  # fmt: skip
+    batch = TrajectoryBatch(trajs)
+    path = tmp_path / "step-1"
+    actor = make.remote(0, 1, free_port(), str(tiny_model_dir), asdict(cfg), "gloo")
+    try:
+        batch.old_logprobs = [lp for lp, _ in ray.get(actor.forward_old.remote([batch]))]
+        batch.advantage, batch.shaping = [1.0, -1.0], [1.0, 1.0]
+        ray.get(actor.update.remote([([batch], 13.0)]))
+        trained = ray.get(actor.full_state_dict.remote())
+        assert ray.get(actor.save_checkpoint.remote(str(path), str(tiny_model_dir)))
+    finally:
+        ray.get(actor.shutdown.remote())
+        ray.kill(actor)
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    hf = load_model(path, dtype="bfloat16")
+    assert torch.equal(hf.model.norm.weight, trained["model.norm.weight"].to(torch.bfloat16))
+    blob = torch.load(path / "optimizer.pt", weights_only=True)
+    assert all(torch.equal(blob["master"][k], v) for k, v in trained.items())
+    actor = make.remote(0, 1, free_port(), str(tiny_model_dir), asdict(cfg), "gloo")
+    try:
+        ray.get(actor.load_checkpoint.remote(str(path)))
+        resumed = ray.get(actor.full_state_dict.remote())
+    finally:
+        ray.get(actor.shutdown.remote())
+        ray.kill(actor)
+    assert all(torch.equal(resumed[k], v) for k, v in trained.items())
+    assert any(not torch.equal(v, v.to(torch.bfloat16).float()) for v in trained.values())  # bf16 would lose bits
+
+
 def test_impossible_resources_fail_fast(ray_session, fleet_cfg):
     from rapo_ray.launcher import check_resources
     from tests.conftest import tiny_config
