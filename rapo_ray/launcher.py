@@ -9,6 +9,7 @@ One RL step is ``Trainer.step`` (rapo_ray/trainer.py); what is reported is in ra
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -30,13 +31,39 @@ from rapo_ray.trainer import Trainer, rl_task_pool
 # ---------------------------------------------------------------- Ray start-up
 
 
+# The console shows the progress bar and our messages, not every actor's engine and loader logs: vLLM's INFO
+# lines and per-push warnings about weights we do not send on purpose, transformers' weight-loading bars, Serve's
+# and Ray Data's INFO lines. A variable the user set in the driver's environment wins (VLLM_LOGGING_LEVEL=INFO
+# brings vLLM's log back).
+QUIET_ENV = {
+    k: os.environ.get(k, v)
+    for k, v in {
+        "VLLM_LOGGING_LEVEL": "ERROR",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "TRANSFORMERS_VERBOSITY": "error",
+        "PYTHONWARNINGS": "ignore::FutureWarning",  # deprecations inside vLLM and Ray, not ours to fix
+    }.items()
+}
+SERVE_LOGGING = {"log_level": os.environ.get("RAPO_SERVE_LOG_LEVEL", "WARNING")}
+
+
+def quiet_driver() -> None:
+    """The driver's share of the above: no weight-loading bars, no Serve or Ray Data INFO lines."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    for name in ("ray.serve", "ray.data"):
+        logging.getLogger(name).setLevel(SERVE_LOGGING["log_level"])
+
+
 def init_ray(cfg: Config) -> bool:
     """Connect to a running cluster (``ray job submit`` sets RAY_ADDRESS) or start a local one on
     127.0.0.1. Returns True if this process started Ray."""
     if ray.is_initialized():
         return False
     address = cfg.resources.ray_address or os.environ.get("RAY_ADDRESS", "")
-    env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}}
+    env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", **QUIET_ENV}}
     if address:
         _enable_token_auth_if_available()
         ray.init(address=address, runtime_env=env, log_to_driver=True)
@@ -59,6 +86,7 @@ def init_ray(cfg: Config) -> bool:
         _node_ip_address="127.0.0.1",
         runtime_env=env,
         log_to_driver=True,
+        logging_level=logging.WARNING,
     )
     global _reaper
     _reaper = ray_reaper.watch(ray._private.worker._global_node.get_session_dir_path())  # the Ray goes with us
@@ -210,9 +238,10 @@ class RetrievalService:
         log(report.table())
         self._serve_started = not _serve_running()  # a Serve someone else started (a cluster's, a test's) stays up
         if self._serve_started:
-            serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+            serve.start(http_options={"host": "127.0.0.1", "port": free_port()}, logging_config=SERVE_LOGGING)
+        logging.getLogger("ray.serve").setLevel(SERVE_LOGGING["log_level"])  # serve.start sets the driver's to INFO
         self.app = "retrieval"
-        serve.run(build_app(cfg.retrieval, uri), name=self.app, route_prefix="/retrieve")
+        serve.run(build_app(cfg.retrieval, uri), name=self.app, route_prefix="/retrieve", logging_config=SERVE_LOGGING)
 
     def close(self) -> None:
         from ray import serve
@@ -242,6 +271,7 @@ def starting_policy(cfg: Config, log=print) -> Path:
 def run(cfg: Config, log=print) -> dict:
     """Warm start -> buffer -> retrieval service -> learners + fleet -> train -> evaluate. Returns the summary."""
     set_torch_threads(1)
+    quiet_driver()
     # the run directory, a resume's config and its checkpoint are checked before any process starts (and a
     # new run's folder is made only once the cluster can host the run)
     run_dir = make_run_dir(cfg, create=False)

@@ -50,7 +50,11 @@ class RolloutWorker:
         self.tools = build_tools(cfg.tasks, cfg.rollout, search_index_for(cfg.tasks))
         retriever = None
         if retrieval_app:
+            import logging
+
             from ray import serve
+
+            logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the handle's INFO lines stay out of the console
 
             from rapo_ray.retrieval.service import HandleStepRetriever
 

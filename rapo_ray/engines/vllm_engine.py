@@ -111,6 +111,7 @@ class VLLMEngine(InferenceEngine):
             max_num_seqs=max_num_seqs,
             worker_extension_cls="rapo_ray.engines.vllm_engine.RapoWeightSync",
             logprobs_mode="raw_logprobs",
+            use_tqdm_on_load=False,  # no loading bars in the run's console
         )
         if gpu:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
