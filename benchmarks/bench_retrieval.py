@@ -33,15 +33,17 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
-def make_query(k: int, i: int, chars: int) -> str:
-    q = f"Who is the mentor of the rival of Kalo{k}x{i}? <think>find the rival</think>"
+def make_query(k: int, i: int, chars: int, tag: str = "") -> str:
+    """Client ``k``'s ``i``-th query; ``tag`` makes one load level's queries differ from every other level's, so
+    the replica's query-vector cache (retrieval.embed_cache_size) never answers and each request is embedded."""
+    q = f"Who is the mentor of the rival of Kalo{tag}{k}x{i}? <think>find the rival</think>"
     if chars <= len(q):
         return q
     turn = f"<search>rival of Kalo{k}x{i}</search><result>The rival of Kalo{k}x{i} is Zen{i}.</result><think>now the mentor</think>"
     return (turn * (chars // len(turn) + 1))[: chars - len(q)] + q
 
 
-def closed_loop(call, clients: int, seconds: float, query_chars: int = 0) -> dict:
+def closed_loop(call, clients: int, seconds: float, query_chars: int = 0, tag: str = "") -> dict:
     lat: list[float] = []
     errors = [0]
     lock = threading.Lock()
@@ -52,7 +54,7 @@ def closed_loop(call, clients: int, seconds: float, query_chars: int = 0) -> dic
         while time.perf_counter() < stop:
             t = time.perf_counter()
             try:
-                call(make_query(k, i, query_chars))
+                call(make_query(k, i, query_chars, tag))
                 with lock:
                     lat.append(time.perf_counter() - t)
             except Exception:
@@ -177,7 +179,8 @@ def main() -> int:
             }
             for transport in transports:
                 for c in clients:
-                    r = closed_loop(calls[transport], c, args.seconds, args.query_chars)
+                    tag = f"{search_on}{int(batching)}{transport}{c}"
+                    r = closed_loop(calls[transport], c, args.seconds, args.query_chars, tag)
                     r |= {"search_on": search_on, "batching": batching, "transport": transport}
                     report["load"].append(r)
                     print(

@@ -224,6 +224,11 @@ class RetrievalConfig:
         "A rollout's retrieval that takes longer (or fails: a replica died) gives that slot a policy step instead, "
         "counted as retrieval_errors; the run goes on while Serve replaces the replica.",
     )
+    embed_cache_size: int = _f(
+        20000,
+        "Query vectors each retrieval replica keeps for reuse (LRU, ~3 KB each with its text): hybrid slots of a group "
+        "often share a history, so many queries repeat (39% in a default run). 0 turns the cache off.",
+    )
     max_batch_size: int = _f(256, "Serve batching: max queries per batch.")
     batch_wait_ms: float = _f(
         5.0, "Serve batching: max wait to fill a batch (every rollout turn that retrieves pays up to this)."
@@ -665,6 +670,10 @@ class Config:
             (self.run.metrics_window >= 1, f"run.metrics_window ({self.run.metrics_window}) must be >= 1"),
             (0.0 <= self.retrieval.noise_prob <= 1.0, "retrieval.noise_prob must be in [0, 1]"),
             (self.retrieval.timeout_s > 0, f"retrieval.timeout_s ({self.retrieval.timeout_s}) must be > 0"),
+            (
+                self.retrieval.embed_cache_size >= 0,
+                f"retrieval.embed_cache_size ({self.retrieval.embed_cache_size}) must be >= 0",
+            ),
             (
                 1 <= self.retrieval.buffer_keep_top_k <= self.retrieval.buffer_samples_per_question,
                 "retrieval.buffer_keep_top_k must be in [1, buffer_samples_per_question]",

@@ -366,3 +366,37 @@ def test_search_tool_over_milvus_for_the_bundled_corpus(tmp_path, tiny_cfg):
         assert res.ok and docs[0] in res.text.split("\n")
     finally:
         tools.close()
+
+
+def test_embedder_sub_batches_sorted_by_length_within_the_padding_slack():
+    from rapo_ray.retrieval.embedder import Embedder
+
+    emb = Embedder(pad_slack=0.1)
+    # sorted 10, 11, 12 | 50, 52: a fourth row of 50 would pad 4 x 50 = 200 tokens for 83 real ones
+    assert emb.sub_batches([10, 50, 11, 52, 12]) == [[0, 2, 4], [1, 3]]
+    emb.batch_size = 2
+    assert emb.sub_batches([10, 50, 11, 52, 12]) == [[0, 2], [4], [1, 3]]
+    assert Embedder(pad_slack=float("inf")).sub_batches([10, 50, 11]) == [[0, 2, 1]]
+
+
+def test_embedder_cache_and_sub_batches_give_the_vectors_of_one_text_at_a_time():
+    from rapo_ray.retrieval.embedder import Embedder
+
+    texts = [
+        "Kai has 135 shells. <think>compute 135 + 415</think>",
+        "Fay has 150 beads. " * 40,
+        "short",
+        "Kai has 135 shells. <think>compute 135 + 415</think>",  # a repeat, embedded once
+        "mentor of Kaloka",
+    ]
+    plain = Embedder(cache_size=0, pad_slack=0.0)
+    alone = np.stack([plain.embed([t])[0] for t in texts])
+    cached = Embedder(cache_size=3)
+    first = cached.embed(texts)
+    assert np.abs(first - alone).max() < 1e-4
+    assert (cached.cache_hits, cached.cache_misses) == (0, 4) and len(cached._cache) == 3  # oldest evicted
+    again = cached.embed([texts[4], texts[0]])  # texts[4] is cached; texts[0] was evicted
+    assert (cached.cache_hits, cached.cache_misses) == (1, 5)
+    assert np.array_equal(again[0], first[4]) and np.abs(again[1] - alone[0]).max() < 1e-4
+    with pytest.raises(ValueError, match="cache_size"):
+        Embedder(cache_size=-1)

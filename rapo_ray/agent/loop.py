@@ -264,7 +264,7 @@ class AgentLoop:
                 and self.retriever is not None
                 and rng_of(i).random() < self.s.retrieve_prob
             ):
-                query = query_text(t.question + self.tok.decode(t.response_ids, skip_special_tokens=False))
+                query = query_text(t.question, self.tok.decode(t.response_ids, skip_special_tokens=False))
                 fut = retrieve_pool.submit(self.retriever.retrieve, [query], [t.problem_id])
                 in_flight[fut] = ("retrieve", i, time.perf_counter())
                 return
@@ -365,11 +365,12 @@ class AgentLoop:
         return self._classify_step(t, res)
 
     def _insert_retrievals(self, trajs, want, pending):
-        histories = [
-            trajs[i].question + self.tok.decode(trajs[i].response_ids, skip_special_tokens=False) for i in want
+        queries = [
+            query_text(trajs[i].question, self.tok.decode(trajs[i].response_ids, skip_special_tokens=False))
+            for i in want
         ]
         try:
-            hits = self.retriever.retrieve([query_text(h) for h in histories], [trajs[i].problem_id for i in want])
+            hits = self.retriever.retrieve(queries, [trajs[i].problem_id for i in want])
         except RetrievalFailed:  # every asking slot takes a policy step instead, counted
             for i in want:
                 trajs[i].retrieval_errors += 1

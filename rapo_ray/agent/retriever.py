@@ -70,9 +70,12 @@ def question_filter(scope: str, question_ids, n: int) -> list[tuple[str, str]] |
     return [(scope, q) if q else None for q in question_ids]
 
 
-def query_text(history: str, max_chars: int = 1300) -> str:
-    """The retrieval key/query text: the last ``max_chars`` characters of the history."""
-    return history[-max_chars:]
+def query_text(question: str, history: str, max_chars: int = 1300) -> str:
+    """The text a retrieval query (or a stored step's key) embeds for the state "``question``, then
+    ``history``": the last ``max_chars`` characters of both (the paper's S_<t, cut as in the RAPO authors' index
+    code). Cheaper forms (the last step only, an incremental embedding) were measured against it and lose too
+    many neighbours: ``benchmarks/bench_query_forms.py``, docs/RESULTS.md."""
+    return (question + history)[-max_chars:]
 
 
 def hashing_embedder(dim: int = 256) -> Callable[[Sequence[str]], np.ndarray]:
@@ -108,12 +111,12 @@ class InMemoryStepRetriever:
         self.noise_prob = noise_prob
         self.question_scope = question_scope
         self.rng = random.Random(seed)
-        self.keys = self.embed([query_text(s.key, max_chars) for s in self.steps]) if self.steps else None
+        self.keys = self.embed([query_text("", s.key, max_chars) for s in self.steps]) if self.steps else None
 
     def retrieve(self, queries, question_ids=None):
         if not self.steps:
             return [None] * len(queries)
-        q = self.embed([query_text(x, self.max_chars) for x in queries])
+        q = self.embed([query_text("", x, self.max_chars) for x in queries])
         scores = q @ self.keys.T
         out = []
         filters = question_filter(self.question_scope, question_ids, len(queries)) or [None] * len(queries)

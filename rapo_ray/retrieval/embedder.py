@@ -9,11 +9,18 @@ absolute position embeddings and numbers positions from the first column by defa
 text's embedding depended on how long the other texts in its batch were (measured: cosine 0.61 between a
 short query embedded alone and the same query batched with a 512-token text). Batched retrieval requests
 would get different neighbours depending on what they were batched with.
+
+Two savings that leave every vector as it was (to float tolerance), measured on a default run's retrievals
+(docs/RESULTS.md, issue #21): a batch is embedded in sub-batches of texts of about the same token length (on a
+CPU, padding a batch of rollout histories to its longest one made each text ~2x dearer than embedding it alone),
+and vectors of texts seen before come from an LRU cache (in a default run 39% of retrieval queries repeat an
+earlier one: the hybrid slots of a group often share a history).
 """
 
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from pathlib import Path
 from typing import Sequence
 
@@ -54,9 +61,15 @@ class Embedder:
         max_length: int = 512,
         batch_size: int = 64,
         device: str | torch.device = "cpu",
+        cache_size: int = 0,
+        pad_slack: float | None = None,
     ):
         """``device``: where MiniLM runs (``auto``: the GPU where one is visible). Vectors come back as numpy
-        float32 whatever the device, and equal the CPU's to float tolerance (fp32 on every device)."""
+        float32 whatever the device, and equal the CPU's to float tolerance (fp32 on every device).
+        ``cache_size``: vectors of that many recent texts are kept and reused (0: none). ``pad_slack``: a
+        sub-batch of length-sorted texts grows while its padded size stays within (1 + slack) x its real tokens
+        (None: 0.1 on a CPU, where padding costs its full compute; unlimited on a GPU, where batch size matters
+        more)."""
         from rapo_ray.devices import parse_device
 
         if pooling not in ("last", "mean"):
@@ -71,25 +84,75 @@ class Embedder:
         self.model = AutoModel.from_pretrained(str(path)).eval().to(self.device)
         self.pooling, self.max_chars, self.max_length, self.batch_size = pooling, max_chars, max_length, batch_size
         self.dim = int(self.model.config.hidden_size)
+        if cache_size < 0:
+            raise ValueError(f"cache_size must be >= 0, got {cache_size}")
+        self.cache_size = cache_size
+        self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self.cache_hits = self.cache_misses = 0
+        self.pad_slack = (0.1 if self.device.type == "cpu" else float("inf")) if pad_slack is None else pad_slack
 
-    @torch.inference_mode()
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """[N, 384] float32, rows L2-normalised."""
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
-        for i in range(0, len(texts), self.batch_size):
-            chunk = [preprocess(t, self.max_chars) for t in texts[i : i + self.batch_size]]
-            enc = self.tokenizer(chunk, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
-            enc = {k: v.to(self.device) for k, v in enc.items()}
+        todo: dict[str, list[int]] = {}  # preprocessed text -> rows that need it (repeats embedded once)
+        for row, text in enumerate(texts):
+            key = preprocess(text, self.max_chars)
+            hit = self._cache.get(key) if self.cache_size else None
+            if hit is not None:
+                self._cache.move_to_end(key)
+                out[row] = hit
+                self.cache_hits += 1
+            else:
+                todo.setdefault(key, []).append(row)
+        if todo:
+            keys = list(todo)
+            self.cache_misses += len(keys)
+            for key, vec in zip(keys, self._embed_unique(keys)):
+                out[todo[key]] = vec
+                if self.cache_size:
+                    self._cache[key] = vec
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return out
+
+    def sub_batches(self, lengths: Sequence[int]) -> list[list[int]]:
+        """Indices of texts with these token lengths, sorted by length and cut into sub-batches of at most
+        ``batch_size`` whose padded size (longest x count) stays within ``1 + pad_slack`` of their real tokens."""
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        batches: list[list[int]] = []
+        real = 0
+        for i in order:
+            cur = batches[-1] if batches else None
+            if (
+                cur
+                and len(cur) < self.batch_size
+                and lengths[i] * (len(cur) + 1) <= (1 + self.pad_slack) * (real + lengths[i])
+            ):
+                cur.append(i)
+                real += lengths[i]
+            else:
+                batches.append([i])
+                real = lengths[i]
+        return batches
+
+    @torch.inference_mode()
+    def _embed_unique(self, texts: list[str]) -> np.ndarray:
+        enc = self.tokenizer(texts, truncation=True, max_length=self.max_length)
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        for rows in self.sub_batches([len(ids) for ids in enc["input_ids"]]):
+            batch = self.tokenizer.pad(
+                {k: [enc[k][r] for r in rows] for k in enc.keys()}, padding=True, return_tensors="pt"
+            )
+            batch = {k: v.to(self.device) for k, v in batch.items()}
             # positions 0.. from each row's first real token, whatever the padding (see the module docstring)
-            positions = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-            hidden = self.model(**enc, position_ids=positions).last_hidden_state
+            positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+            hidden = self.model(**batch, position_ids=positions).last_hidden_state
             if self.pooling == "last":  # left padding: the last position is every row's last real token
                 vec = hidden[:, -1, :]
             else:
-                m = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+                m = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
                 vec = (hidden * m).sum(1) / m.sum(1).clamp(min=1)
-            vec = torch.nn.functional.normalize(vec.float(), dim=-1)
-            out[i : i + len(chunk)] = vec.cpu().numpy()
+            out[rows] = torch.nn.functional.normalize(vec.float(), dim=-1).cpu().numpy()
         return out
 
     __call__ = embed

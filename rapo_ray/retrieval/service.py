@@ -45,6 +45,7 @@ class StepRetrieverService:
         batching: bool = True,
         search_on: str = "replica",
         num_gpus: float = 0.0,
+        embed_cache_size: int = 0,
     ):
         import torch
 
@@ -57,7 +58,10 @@ class StepRetrieverService:
         if search_on not in ("replica", "milvus"):
             raise ValueError(f"retrieval.search_on={search_on!r}; valid: replica, milvus")
         self.embedder = Embedder(
-            pooling=pooling, max_chars=max_chars, device=pick_device(num_gpus, "retrieval.num_gpus")
+            pooling=pooling,
+            max_chars=max_chars,
+            device=pick_device(num_gpus, "retrieval.num_gpus"),
+            cache_size=embed_cache_size,
         )
         self.store = MilvusStepStore(uri, collection, self.embedder.dim, token=token, create=True)
         # Searches go to an in-memory copy (exact, milliseconds) or to Milvus's HNSW index.
@@ -168,6 +172,7 @@ def build_app(rcfg, uri: str, batching: bool = True):
         batching,
         rcfg.search_on,
         rcfg.num_gpus,
+        rcfg.embed_cache_size,
     )
 
 
