@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,6 +63,16 @@ def _stop_pids(path: str) -> None:
             time.sleep(wait)
 
 
+def _clean_up(path: str, succeeded: bool) -> None:
+    """Stop every process started under ``path``; remove the folder after a scenario that succeeded, keep it
+    (Ray's logs) after one that failed."""
+    _stop_pids(path)
+    if succeeded:
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        print(f"kept {path} (Ray's session logs of the failed scenario)", file=sys.stderr)
+
+
 def _tiny_cfg(artifacts: str, *overrides):
     from rapo_ray.config import TINY_OVERRIDES, load_config
 
@@ -97,6 +108,7 @@ def autoscale(timeout: float) -> dict:
     import yaml
 
     tmp = tempfile.mkdtemp(prefix="rapo_fake_")
+    succeeded = False
     port = free_port()
     env = dict(os.environ, **ENV, RAY_FAKE_CLUSTER="1", RAY_AUTH_TOKEN=secrets.token_hex(32))
     os.environ.update({k: env[k] for k in ENV} | {"RAY_AUTH_TOKEN": env["RAY_AUTH_TOKEN"]})
@@ -165,9 +177,10 @@ def autoscale(timeout: float) -> dict:
         report["nodes_after_scale_down"] = _alive_nodes(ray)
         fleet.shutdown()
         ray.shutdown()
+        succeeded = True
         return report
     finally:
-        _stop_pids(tmp)
+        _clean_up(tmp, succeeded)
 
 
 # ---------------------------------------------------------------- node loss (ray.cluster_utils.Cluster)
@@ -196,6 +209,7 @@ def node_loss(timeout: float) -> dict:
     """Two rollout workers on two nodes (plus a spare node); the node of the first worker that takes work is
     removed right after its groups are dispatched, while they are in flight."""
     tmp = tempfile.mkdtemp(prefix="rapo_nodeloss_")
+    succeeded = False
     try:
         ray, cluster = _cluster(tmp)
         nodes = [
@@ -251,15 +265,17 @@ def node_loss(timeout: float) -> dict:
         fleet.shutdown()
         ray.shutdown()
         cluster.shutdown()
+        succeeded = True
         return report
     finally:
-        _stop_pids(tmp)
+        _clean_up(tmp, succeeded)
 
 
 def learner_loss(timeout: float) -> dict:
     """An 8-step GRPO run whose learners sit on their own node; that node dies after the step-2 checkpoint, a new
     one joins 5 s later, and the run rebuilds from the checkpoint and finishes all steps."""
     tmp = tempfile.mkdtemp(prefix="rapo_learnerloss_")
+    succeeded = False
     try:
         ray, cluster = _cluster(tmp)
         cluster.add_node(num_cpus=2, resources={"rollout_node": 2}, node_ip_address="127.0.0.1")
@@ -337,9 +353,10 @@ def learner_loss(timeout: float) -> dict:
         }
         ray.shutdown()
         cluster.shutdown()
+        succeeded = True
         return report
     finally:
-        _stop_pids(tmp)
+        _clean_up(tmp, succeeded)
 
 
 def main() -> int:
