@@ -20,6 +20,7 @@ earlier one: the hybrid slots of a group often share a history).
 from __future__ import annotations
 
 import os
+import threading
 from collections import OrderedDict
 from pathlib import Path
 from typing import Sequence
@@ -88,6 +89,7 @@ class Embedder:
             raise ValueError(f"cache_size must be >= 0, got {cache_size}")
         self.cache_size = cache_size
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._cache_lock = threading.Lock()  # a Serve replica may run its sync methods (insert) on other threads
         self.cache_hits = self.cache_misses = 0
         self.pad_slack = (0.1 if self.device.type == "cpu" else float("inf")) if pad_slack is None else pad_slack
 
@@ -95,24 +97,27 @@ class Embedder:
         """[N, 384] float32, rows L2-normalised."""
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
         todo: dict[str, list[int]] = {}  # preprocessed text -> rows that need it (repeats embedded once)
-        for row, text in enumerate(texts):
-            key = preprocess(text, self.max_chars)
-            hit = self._cache.get(key) if self.cache_size else None
-            if hit is not None:
-                self._cache.move_to_end(key)
-                out[row] = hit
-                self.cache_hits += 1
-            else:
-                todo.setdefault(key, []).append(row)
+        with self._cache_lock:
+            for row, text in enumerate(texts):
+                key = preprocess(text, self.max_chars)
+                hit = self._cache.get(key) if self.cache_size else None
+                if hit is not None:
+                    self._cache.move_to_end(key)
+                    out[row] = hit
+                    self.cache_hits += 1
+                else:
+                    todo.setdefault(key, []).append(row)
         if todo:
             keys = list(todo)
-            self.cache_misses += len(keys)
-            for key, vec in zip(keys, self._embed_unique(keys)):
-                out[todo[key]] = vec
-                if self.cache_size:
-                    self._cache[key] = vec
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            vectors = self._embed_unique(keys)  # outside the lock: other callers' cache hits need not wait
+            with self._cache_lock:
+                self.cache_misses += len(keys)
+                for key, vec in zip(keys, vectors):
+                    out[todo[key]] = vec
+                    if self.cache_size:
+                        self._cache[key] = vec
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
         return out
 
     def sub_batches(self, lengths: Sequence[int]) -> list[list[int]]:
