@@ -5,7 +5,7 @@
 Reads a finished RAPO run: its step buffer (every stored key, from the run's Milvus collection, started as a
 milvus-lite server over ``<artifacts>/milvus`` unless ``retrieval.milvus_uri`` names one) and every retrieval its
 hybrid rollouts made (the history before each ``<retrieve>`` block, rebuilt from ``trajectories/*.parquet``). For
-each query form (``rapo_ray.agent.retriever.QUERY_FORMS``, plus tails of the full form cut shorter) it embeds the
+each query form (``QUERY_FORMS`` below, plus tails of the full form cut shorter) it embeds the
 buffer's keys and the run's queries the same way, searches exactly (inner product, the run's question scope),
 and reports:
 
@@ -23,7 +23,7 @@ import json
 import random
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -152,14 +152,15 @@ def main() -> None:
     queries = run_queries(args.run, tokenizer)
     n_all = len(queries)
     if args.max_queries and len(queries) > args.max_queries:  # whole trajectories, so incremental's cache is real
-        trajs = sorted({q["traj"] for q in queries})
+        per_traj = Counter(q["traj"] for q in queries)
+        trajs = sorted(per_traj)
         random.Random(0).shuffle(trajs)
         keep, kept = set(), 0
         for t in trajs:
             if kept >= args.max_queries:
                 break
             keep.add(t)
-            kept += sum(q["traj"] == t for q in queries)
+            kept += per_traj[t]
         queries = [q for q in queries if q["traj"] in keep]
     if not rows or not queries:
         sys.exit(f"{args.run}: {len(rows)} stored steps and {len(queries)} retrievals: nothing to compare")
@@ -188,7 +189,9 @@ def main() -> None:
         """Vectors for ``items`` under a form; the second value is how many tokens had to be embedded."""
         if form != "incremental":
             texts = [query_text(it["question"], it["history"], form, chars) for it in items]
-            ntok = sum(len(embedder.tokenizer(t, truncation=True, max_length=512)["input_ids"]) for t in texts)
+            ntok = sum(
+                len(embedder.tokenizer(t, truncation=True, max_length=embedder.max_length)["input_ids"]) for t in texts
+            )
             return embedder.embed(texts), ntok
         cache = {} if cache is None else cache
         vecs, ntok = np.zeros((len(items), embedder.dim), dtype=np.float32), 0
@@ -198,7 +201,10 @@ def main() -> None:
             if new:
                 for c, v in zip(new, embedder.embed(new)):
                     cache[c] = v
-                ntok += sum(len(embedder.tokenizer(c, truncation=True, max_length=512)["input_ids"]) for c in new)
+                ntok += sum(
+                    len(embedder.tokenizer(c, truncation=True, max_length=embedder.max_length)["input_ids"])
+                    for c in new
+                )
             v = np.mean([cache[c] for c in chunks], axis=0)
             vecs[i] = v / max(float(np.linalg.norm(v)), 1e-12)
         return vecs, ntok

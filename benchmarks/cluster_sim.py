@@ -12,6 +12,7 @@ A random token enables Ray's token authentication for the simulated cluster with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -63,14 +64,19 @@ def _stop_pids(path: str) -> None:
             time.sleep(wait)
 
 
-def _clean_up(path: str, succeeded: bool) -> None:
-    """Stop every process started under ``path``; remove the folder after a scenario that succeeded, keep it
-    (Ray's logs) after one that failed."""
-    _stop_pids(path)
-    if succeeded:
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        print(f"kept {path} (Ray's session logs of the failed scenario)", file=sys.stderr)
+@contextlib.contextmanager
+def _scenario_dir(prefix: str):
+    """A temporary folder for one scenario's Ray session and artifacts. Every process started under it is stopped
+    afterwards; the folder is removed after a scenario that succeeded and kept (Ray's logs) after one that failed."""
+    tmp = tempfile.mkdtemp(prefix=prefix)
+    try:
+        yield tmp
+    except BaseException:
+        _stop_pids(tmp)
+        print(f"kept {tmp} (Ray's session logs of the failed scenario)", file=sys.stderr)
+        raise
+    _stop_pids(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _tiny_cfg(artifacts: str, *overrides):
@@ -107,17 +113,15 @@ def _wait(pred, timeout: float, poll: float = 0.25) -> float:
 def autoscale(timeout: float) -> dict:
     import yaml
 
-    tmp = tempfile.mkdtemp(prefix="rapo_fake_")
-    succeeded = False
-    port = free_port()
-    env = dict(os.environ, **ENV, RAY_FAKE_CLUSTER="1", RAY_AUTH_TOKEN=secrets.token_hex(32))
-    os.environ.update({k: env[k] for k in ENV} | {"RAY_AUTH_TOKEN": env["RAY_AUTH_TOKEN"]})
-    cfg_yaml = yaml.safe_load((REPO / "cluster" / "fake-multinode.yaml").read_text())
-    cfg_yaml["provider"]["gcs_address"] = f"127.0.0.1:{port}"
-    scaling = Path(tmp) / "autoscaling.yaml"
-    scaling.write_text(yaml.safe_dump(cfg_yaml))
-    ray_bin = str(Path(sys.executable).with_name("ray"))
-    try:
+    with _scenario_dir("rapo_fake_") as tmp:
+        port = free_port()
+        env = dict(os.environ, **ENV, RAY_FAKE_CLUSTER="1", RAY_AUTH_TOKEN=secrets.token_hex(32))
+        os.environ.update({k: env[k] for k in ENV} | {"RAY_AUTH_TOKEN": env["RAY_AUTH_TOKEN"]})
+        cfg_yaml = yaml.safe_load((REPO / "cluster" / "fake-multinode.yaml").read_text())
+        cfg_yaml["provider"]["gcs_address"] = f"127.0.0.1:{port}"
+        scaling = Path(tmp) / "autoscaling.yaml"
+        scaling.write_text(yaml.safe_dump(cfg_yaml))
+        ray_bin = str(Path(sys.executable).with_name("ray"))
         subprocess.run(
             [
                 ray_bin,
@@ -177,10 +181,7 @@ def autoscale(timeout: float) -> dict:
         report["nodes_after_scale_down"] = _alive_nodes(ray)
         fleet.shutdown()
         ray.shutdown()
-        succeeded = True
         return report
-    finally:
-        _clean_up(tmp, succeeded)
 
 
 # ---------------------------------------------------------------- node loss (ray.cluster_utils.Cluster)
@@ -208,9 +209,7 @@ def _cluster(tmp: str):
 def node_loss(timeout: float) -> dict:
     """Two rollout workers on two nodes (plus a spare node); the node of the first worker that takes work is
     removed right after its groups are dispatched, while they are in flight."""
-    tmp = tempfile.mkdtemp(prefix="rapo_nodeloss_")
-    succeeded = False
-    try:
+    with _scenario_dir("rapo_nodeloss_") as tmp:
         ray, cluster = _cluster(tmp)
         nodes = [
             cluster.add_node(num_cpus=1, resources={"rollout_node": 1}, node_ip_address="127.0.0.1") for _ in range(3)
@@ -265,18 +264,13 @@ def node_loss(timeout: float) -> dict:
         fleet.shutdown()
         ray.shutdown()
         cluster.shutdown()
-        succeeded = True
         return report
-    finally:
-        _clean_up(tmp, succeeded)
 
 
 def learner_loss(timeout: float) -> dict:
     """An 8-step GRPO run whose learners sit on their own node; that node dies after the step-2 checkpoint, a new
     one joins 5 s later, and the run rebuilds from the checkpoint and finishes all steps."""
-    tmp = tempfile.mkdtemp(prefix="rapo_learnerloss_")
-    succeeded = False
-    try:
+    with _scenario_dir("rapo_learnerloss_") as tmp:
         ray, cluster = _cluster(tmp)
         cluster.add_node(num_cpus=2, resources={"rollout_node": 2}, node_ip_address="127.0.0.1")
         learner_node = cluster.add_node(num_cpus=2, resources={"learner_node": 2}, node_ip_address="127.0.0.1")
@@ -353,10 +347,7 @@ def learner_loss(timeout: float) -> dict:
         }
         ray.shutdown()
         cluster.shutdown()
-        succeeded = True
         return report
-    finally:
-        _clean_up(tmp, succeeded)
 
 
 def main() -> int:
