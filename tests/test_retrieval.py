@@ -141,6 +141,39 @@ def test_milvus_lite_server_dies_with_its_run_and_a_held_lock_is_named(tmp_path)
             os.kill(server_pid, signal.SIGKILL)
 
 
+def test_a_killed_milvus_lite_server_is_started_again_with_its_data(tmp_path):
+    """Issue #22: the run's milvus-lite server died with SIGKILL and stayed dead, so a replica that Serve replaced
+    could not load the buffer again. The supervisor starts it again on the same URI, with the rows written before."""
+    import os
+    import signal
+    import time
+
+    import numpy as np
+
+    from rapo_ray.agent.retriever import StoredStep
+    from rapo_ray.retrieval.store import MilvusStepStore, step_rows
+
+    server = MilvusLiteServer(tmp_path / "srv")
+    try:
+        store = MilvusStepStore(server.uri, "steps", 4, create=True)
+        step = StoredStep(key="k", value="<think>v</think>", value_ids=[1, 2], reward=1.0, question_id="q1")
+        store.upsert_rows(step_rows([step], np.ones((1, 4), dtype=np.float32)))
+        store.flush()
+        first = server.proc.pid
+        os.kill(first, signal.SIGKILL)
+        deadline = time.time() + 60
+        while time.time() < deadline and (server.restarts == 0 or server.proc.pid == first):
+            time.sleep(0.2)
+        assert server.restarts == 1 and server.proc.pid != first and _alive(server.proc.pid)
+        again = MilvusStepStore(server.uri, "steps", 4, create=False)
+        assert again.count() == 1  # the same data directory, the row written before the kill
+        again.close()
+        store.close()
+    finally:
+        server.stop()
+    assert not _alive(server.proc.pid) and server.restarts == 1  # stop() is not a death to recover from
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import socket
@@ -25,6 +26,8 @@ import numpy as np
 
 from rapo_ray.agent.retriever import RetrievedStep, StoredStep
 from rapo_ray.net import free_port
+
+log = logging.getLogger("rapo_ray.retrieval")
 
 HNSW = {"M": 32, "efConstruction": 200}
 SEARCH_EF = 128
@@ -220,10 +223,11 @@ class MilvusStepStore:
 
 
 def _dies_with_this_thread(argv: list[str]) -> list[str]:
-    """On Linux, wrap ``argv`` so the server gets SIGTERM when the thread that starts it ends, even by SIGKILL:
-    a killed run must not leave a server holding its data directory's lock. Only from the main thread (the
-    signal follows the creating thread, not the process); elsewhere, and off Linux, ``argv`` unchanged."""
-    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+    """On Linux, wrap ``argv`` so the server gets SIGTERM when the thread that starts it ends, even by SIGKILL of the
+    process: a killed run must not leave a server holding its data directory's lock. The signal follows the
+    creating thread, not the process, so the caller starts it from a thread that lives as long as the server (the
+    supervisor below). Off Linux, ``argv`` unchanged."""
+    if not sys.platform.startswith("linux"):
         return argv
     launcher = (
         "import ctypes, os, signal, sys\n"
@@ -235,59 +239,104 @@ def _dies_with_this_thread(argv: list[str]) -> list[str]:
 
 
 class MilvusLiteServer:
-    """``milvus-lite server --data-dir DIR --host 127.0.0.1 --port P`` as a managed child process."""
+    """``milvus-lite server --data-dir DIR --host 127.0.0.1 --port P`` as a managed child process.
 
-    def __init__(self, data_dir: str | Path, port: int | None = None, start_timeout_s: float = 60.0):
+    A supervisor thread starts it and waits on it: a server that dies while the run still needs it (killed, out of
+    memory) is started again on the same port and data directory, up to ``max_restarts`` times, so replicas and
+    the buffer's writers reconnect to the same URI (issue #22). ``restarts`` counts them."""
+
+    def __init__(self, data_dir: str | Path, port: int | None = None, start_timeout_s: float = 60.0, max_restarts=5):
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
+        self.start_timeout_s, self.max_restarts, self.restarts = start_timeout_s, max_restarts, 0
         exe = shutil.which("milvus-lite") or str(Path(sys.executable).with_name("milvus-lite"))
         if not Path(exe).exists():
             raise StoreError("the milvus-lite executable was not found (pip install milvus-lite)")
-        log_path = self.data_dir / "milvus-lite-server.log"
-        self.log = open(log_path, "ab")
-        log_start = self.log.tell()
-        self.proc = subprocess.Popen(
-            _dies_with_this_thread(
-                [exe, "server", "--data-dir", str(self.data_dir), "--host", "127.0.0.1", "--port", str(self.port)]
-            ),
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        deadline = time.time() + start_timeout_s
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                self.log.close()
-                with open(log_path, "rb") as f:
-                    f.seek(log_start)
-                    if b"DataDirLockedError" in f.read():
-                        raise StoreError(
-                            f"another milvus-lite server holds the data directory {self.data_dir} (a run still going, or one that "
-                            f"was killed and left its server behind): stop that server, or point run.artifacts_dir elsewhere"
-                        )
-                raise StoreError(f"milvus-lite server exited with code {self.proc.returncode}; see {log_path}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                    return
-            except OSError:
-                time.sleep(0.2)
-        self.stop()
-        raise StoreError(f"milvus-lite server did not listen on 127.0.0.1:{self.port} within {start_timeout_s:.0f} s")
+        self._argv = [exe, "server", "--data-dir", str(self.data_dir), "--host", "127.0.0.1", "--port", str(self.port)]
+        self.log_path = self.data_dir / "milvus-lite-server.log"
+        self.proc: subprocess.Popen | None = None
+        self._stopping = threading.Event()
+        self._started = threading.Event()
+        self._error: Exception | None = None
+        self._thread = threading.Thread(target=self._supervise, name="milvus-lite-supervisor", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._error is not None:
+            self._thread.join()
+            raise self._error
 
     @property
     def uri(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def stop(self):
-        if self.proc.poll() is None:
+    def _supervise(self) -> None:
+        try:
+            self._start()
+        except Exception as exc:  # noqa: BLE001 - raised in __init__
+            self._error = exc
+            return
+        finally:
+            self._started.set()
+        while True:
+            code = self.proc.wait()
+            if self._stopping.is_set():
+                return
+            if self.restarts >= self.max_restarts:
+                log.error("milvus-lite server on port %d exited with code %s; not restarted again", self.port, code)
+                return
+            log.warning("milvus-lite server on port %d exited with code %s; starting it again", self.port, code)
+            try:
+                self._start()
+            except Exception as exc:  # noqa: BLE001 - nothing to raise to: the run's callers see Milvus errors
+                log.error("milvus-lite server could not be started again: %s", exc)
+                return
+            self.restarts += 1  # counted once it listens again
+
+    def _start(self) -> None:
+        with open(self.log_path, "ab") as out:
+            log_start = out.tell()
+            self.proc = subprocess.Popen(
+                _dies_with_this_thread(self._argv), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.time() + self.start_timeout_s
+        while time.time() < deadline and not self._stopping.is_set():
+            if self.proc.poll() is not None:
+                with open(self.log_path, "rb") as f:
+                    f.seek(log_start)
+                    if b"DataDirLockedError" in f.read():
+                        raise StoreError(
+                            f"another milvus-lite server holds the data directory {self.data_dir} (a run still going, "
+                            f"or one that was killed and left its server behind): stop that server, or point "
+                            f"run.artifacts_dir elsewhere"
+                        )
+                raise StoreError(f"milvus-lite server exited with code {self.proc.returncode}; see {self.log_path}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                    return
+            except OSError:
+                time.sleep(0.2)
+        self._terminate()
+        if self._stopping.is_set():  # stop() came while it was starting
+            return
+        raise StoreError(
+            f"milvus-lite server did not listen on 127.0.0.1:{self.port} within {self.start_timeout_s:.0f} s"
+        )
+
+    def _terminate(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.log.close()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._terminate()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=15)
 
 
 class MilvusDocumentIndex:
