@@ -160,27 +160,21 @@ class Injector:
             landed = self.running.get(f["phase"], 0) > 0
         try:
             what = self.kill(f["kind"], f, landed)
-            self.event(
-                ev="fault",
-                id=f["id"],
-                kind=f["kind"],
-                phase=f["phase"],
-                step=f["step"],
-                delay_s=f["delay_s"],
-                landed=landed,
-                what=what,
-            )
         except Exception as exc:  # noqa: BLE001 - a fault that could not be injected is reported, not fatal
-            self.event(
-                ev="fault",
-                id=f["id"],
-                kind=f["kind"],
-                phase=f["phase"],
-                step=f["step"],
-                delay_s=f["delay_s"],
-                landed=landed,
-                what=f"not injected: {type(exc).__name__}: {exc}",
-            )
+            what = f"not injected: {type(exc).__name__}: {exc}"
+        self.fault_event(f, landed, what)
+
+    def fault_event(self, f: dict, landed: bool, what: str) -> None:
+        self.event(
+            ev="fault",
+            id=f["id"],
+            kind=f["kind"],
+            phase=f["phase"],
+            step=f["step"],
+            delay_s=f["delay_s"],
+            landed=landed,
+            what=what,
+        )
 
     def kill(self, kind: str, f: dict, landed: bool) -> str:
         import ray
@@ -209,17 +203,8 @@ class Injector:
             server = self.retrieval._server
             os.kill(server.proc.pid, signal.SIGKILL)
             return f"milvus-lite server pid {server.proc.pid}"
-        if kind == "driver":
-            self.event(
-                ev="fault",
-                id=f["id"],
-                kind=kind,
-                phase=f["phase"],
-                step=f["step"],
-                delay_s=f["delay_s"],
-                landed=landed,
-                what=f"driver pid {os.getpid()} SIGKILL",
-            )
+        if kind == "driver":  # recorded first: nothing runs after the SIGKILL
+            self.fault_event(f, landed, f"driver pid {os.getpid()} SIGKILL")
             os.kill(os.getpid(), signal.SIGKILL)
         raise ValueError(f"unknown fault kind {kind!r}")
 

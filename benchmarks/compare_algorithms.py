@@ -29,6 +29,8 @@ METHODS = {
     # not a paper arm: retrieval restricted to the querying question's own stored steps (a diagnosis of
     # what nearest-by-history retrieval returns on templated problems; see docs/RESULTS.md)
     "rapo own-question": ["algo.name=rapo", "retrieval.question_scope=own"],
+    # not a paper arm: only other questions' steps, so a retrieved step can help only by a move that transfers
+    "rapo other-question": ["algo.name=rapo", "retrieval.question_scope=other"],
 }
 DEFAULT_METHODS = ["grpo", "arpo", "rapo", "rapo w/o RR", "rapo w/o RIS"]
 REWARD_KEYS = ("on_policy_reward", "hybrid_reward", "retrieval_reward")  # means over the run's steps
@@ -92,6 +94,10 @@ def run_one(method: str, seed: int, args, out: Path) -> dict | None:
         "per_step": {k: statistics.median(m[k] for m in steps) for k in STEP_KEYS if steps and k in steps[0]},
         "rewards": {k: statistics.mean(m[k] for m in steps) for k in REWARD_KEYS if steps and k in steps[0]},
         "slot_success": slot_success(run_dir),
+        # problem id -> solved after training (greedy, held-out): the paired test between methods
+        "after_problems": json.loads(after.read_text()).get("problems", {})
+        if (after := run_dir / "eval_after.json").is_file()
+        else {},
     }
 
 
@@ -111,6 +117,23 @@ def slot_success(run_dir: Path) -> dict:
             c = counts.setdefault(f"{r['problem_id'].split('-')[0]} {kind}", [0, 0])
             c[0], c[1] = c[0] + int(r["correct"]), c[1] + 1
     return {k: c / n for k, (c, n) in sorted(counts.items())}
+
+
+def paired_vs(results: list[dict], method: str, baseline: str, family: str) -> dict | None:
+    """Held-out problems of ``family`` solved by ``method`` but not ``baseline`` and the reverse, pooled over the
+    seeds both ran (a problem under seed s is paired with itself under seed s), with the exact sign test."""
+    from rapo_ray.evaluation import paired_change
+
+    by = {(r["method"], r["seed"]): r["after_problems"] for r in results if r.get("after_problems")}
+    seeds = sorted({s for m, s in by if m == method} & {s for m, s in by if m == baseline})
+    if not seeds:
+        return None
+
+    def solved(m):
+        return {f"{s}:{pid}": ok for s in seeds for pid, ok in by[(m, s)].items() if pid.startswith(f"{family}-")}
+
+    change = paired_change(solved(baseline), solved(method))  # "fixed": method right where the baseline was wrong
+    return {"seeds": seeds, **change}
 
 
 def _ms(xs) -> str:
@@ -133,6 +156,19 @@ def tables(results: list[dict]) -> str:
         mean = [r["after"]["eval/mean_accuracy"] for r in rs]
         delta = [r["after"]["eval/mean_accuracy"] - r["before"]["eval/mean_accuracy"] for r in rs]
         lines.append(f"| {method} | " + " | ".join(cells) + f" | {_ms(mean)} | {_ms(delta)} |")
+    if any(r.get("after_problems") for r in results):
+        lines += [
+            "",
+            "| method vs grpo | family | problems x seeds | method only | grpo only | gain | sign test p |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for method in METHODS:
+            for fam in fams:
+                pv = paired_vs(results, method, "grpo", fam) if method != "grpo" else None
+                if pv:
+                    lines.append(
+                        f"| {method} | {fam} | {pv['n']} | {pv['fixed']} | {pv['broken']} | {pv['gain']:+.3f} | {pv['p_value']:.3f} |"
+                    )
     lines += [
         "",
         "| method | step s | rollout s | old-logprob s | update s | sync s | rollout tokens | tool calls | retrievals | learner tokens/s |",

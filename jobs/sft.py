@@ -24,6 +24,12 @@ def main(argv=None) -> int:
         extra=lambda p: (
             p.add_argument("--force", action="store_true", help="retrain even if cached"),
             p.add_argument("--eval-size", type=int, default=100),
+            p.add_argument(
+                "--samples",
+                type=int,
+                default=4,
+                help="sampled rollouts per problem (temperature 1): how often the policy finds what RL rewards",
+            ),
         ),
     )
     import torch
@@ -47,8 +53,8 @@ def main(argv=None) -> int:
         print(format_table(evaluate(engine, tok, tools, test, cfg, limit=args.eval_size), "held-out, greedy:"))
         print(
             format_table(
-                evaluate(engine, tok, tools, test, cfg, limit=args.eval_size, temperature=1.0, samples=4),
-                "held-out, sampled (temperature 1, 4 samples per problem):",
+                evaluate(engine, tok, tools, test, cfg, limit=args.eval_size, temperature=1.0, samples=args.samples),
+                f"held-out, sampled (temperature 1, {args.samples} samples per problem):",
             )
         )
     finally:

@@ -23,7 +23,7 @@ class ConfigError(ValueError):
 
 
 # Names of the bundled task families (rapo_ray.envs.tasks.TASK_FAMILIES generates them; a test keeps the two equal).
-BUNDLED_FAMILIES = ("arith", "multihop")
+BUNDLED_FAMILIES = ("arith", "multihop", "alias")
 
 
 # A tiny model and task set (seconds to build and warm-start) for tests and cluster simulations.
@@ -461,6 +461,13 @@ class TrainerConfig:
         "enough that the warm-started policy sometimes solves them (accuracy per demo count and sft_seed in "
         "docs/RESULTS.md).",
     )
+    sft_family_examples: dict = _f(
+        {"alias": 0},
+        "Warm-start demonstrations of a family, replacing sft_examples + sft_hard_examples for it (a 2/3-step mix "
+        "from the start of its training split). The alias family's count decides how often the warm-started policy "
+        "samples its move (docs/RESULTS.md, the exploration family). An override replaces the whole mapping: keep "
+        "alias in it.",
+    )
     rl_questions: int = _f(
         100,
         "Training questions per family used for RL, taken after the warm-start ones; the step-trace buffer is built "
@@ -735,6 +742,13 @@ class Config:
         for fam in self.tasks.families:
             if fam not in BUNDLED_FAMILIES:
                 raise ConfigError(f"tasks.families: unknown family {fam!r}; valid: {sorted(BUNDLED_FAMILIES)}")
+        for fam, n in self.trainer.sft_family_examples.items():
+            if fam not in BUNDLED_FAMILIES:
+                raise ConfigError(
+                    f"trainer.sft_family_examples: unknown family {fam!r}; valid: {sorted(BUNDLED_FAMILIES)}"
+                )
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise ConfigError(f"trainer.sft_family_examples.{fam}: expected an integer >= 0, got {n!r}")
         return self
 
 

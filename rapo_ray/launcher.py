@@ -347,6 +347,7 @@ def run(cfg: Config, log=print) -> dict:
         final = trainer.evaluate()
         after = final.metrics
         metrics.log({"step": trainer.step_idx, **after})
+        (run_dir.path / "eval_after.json").write_text(json.dumps({**after, "problems": final.problems}, indent=1))
         ck = trainer.save()
         change = paired_changes(before_problems, final.problems)
         summary = {

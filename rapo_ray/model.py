@@ -192,7 +192,7 @@ def tokenizer_corpus(cfg) -> list[str]:
             for prob in tasks.generate(fam, split, n, cfg.tasks.seed):
                 texts.append(prob.question)
                 texts.append(tasks.expert_text(prob))
-    if "multihop" in cfg.tasks.families:
+    if {"multihop", "alias"} & set(cfg.tasks.families):
         texts.extend(tasks.make_world(cfg.tasks.seed).documents())
     return texts
 

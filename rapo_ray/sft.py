@@ -127,12 +127,15 @@ def sft_examples(trajs: list[Trajectory]) -> list[tuple[list[int], list[int]]]:
     return [(t.prompt_ids + t.response_ids, [0] * len(t.prompt_ids) + t.loss_mask) for t in trajs if t.correct]
 
 
-def sft_tasks(cfg, tasks: list) -> list:
+def sft_tasks(cfg, tasks: list, family: str = "") -> list:
     """The warm-start questions of one family: the first ``sft_examples`` 2-step ones and the first
-    ``sft_hard_examples`` 3-step ones (taken from the start of the training split; RL uses later ones)."""
+    ``sft_hard_examples`` 3-step ones, or the first ``sft_family_examples[family]`` of any kind (taken from the
+    start of the training split; RL uses later ones)."""
     from rapo_ray.envs.suite import task_difficulty
 
     head = tasks[: sft_span(cfg)]
+    if family in cfg.trainer.sft_family_examples:
+        return head[: cfg.trainer.sft_family_examples[family]]
     easy = [t for t in head if task_difficulty(t) <= 2][: cfg.trainer.sft_examples]
     hard = [t for t in head if task_difficulty(t) > 2][: cfg.trainer.sft_hard_examples]
     return easy + hard
@@ -155,6 +158,12 @@ def warm_start_dir(cfg) -> Path:
             t.sft_batch_size,
             t.sft_hybrid_fraction,
             *([t.sft_retrieval_scope] if t.sft_retrieval_scope != "other" else []),
+            # only the families in use: a default run keeps the folder it had before this setting existed
+            *(
+                [per_family]
+                if (per_family := sorted((f, n) for f, n in t.sft_family_examples.items() if f in cfg.tasks.families))
+                else []
+            ),
             sorted(cfg.tasks.families),
             cfg.tasks.seed,
             cfg.tasks.system_prompt,
@@ -178,7 +187,7 @@ def warm_start(cfg, log=print, force: bool = False) -> Path:
     try:
         demos_tasks, pool_tasks = {}, {}
         for fam, tasks in train.items():
-            demos_tasks[fam] = sft_tasks(cfg, tasks)
+            demos_tasks[fam] = sft_tasks(cfg, tasks, fam)
             used = {t.id for t in demos_tasks[fam]}
             pool_tasks[fam] = [t for t in tasks if t.id not in used][-200:]  # other questions: the retrieve-format pool
         demo_list = [t for ts in demos_tasks.values() for t in ts]

@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from rapo_ray.engines.expert import ScriptedExpertEngine
 from rapo_ray.envs import tasks as bundled
 from rapo_ray.envs.loaders import DataError, gsm8k_to_trajectory_text, load_examples
 from rapo_ray.envs.rewards import format_ok, math_equal, score, token_f1
-from rapo_ray.envs.suite import build_tools, task_difficulty, task_splits
+from rapo_ray.envs.suite import build_tools, task_difficulty, task_splits, to_task
 from rapo_ray.envs.tools import LexicalIndex, PythonSandbox, SandboxLimits
 from rapo_ray.retrieval.search_index import search_index_for
 
@@ -55,7 +56,7 @@ def test_splits_disjoint_and_seeded():
         te = bundled.generate(fam, "test", 100, 3)
         assert not {p.question for p in tr} & {p.question for p in te}
         assert [p.question for p in bundled.generate(fam, "test", 100, 3)] == [p.question for p in te]
-    with pytest.raises(ValueError, match="valid: \\['arith', 'multihop'\\]"):
+    with pytest.raises(ValueError, match="valid: \\['alias', 'arith', 'multihop'\\]"):
         bundled.generate("chess", "train", 1, 0)
 
 
@@ -72,6 +73,29 @@ def test_expert_solves_every_family_through_real_tools(tiny_cfg, tiny_tokenizer,
         assert acc >= 0.99, fam
         assert all(t.format_ok and t.reward == 1.0 for t in trajs)
         assert all(t.tool_calls >= 2 for t in trajs)  # multi-step: every problem needs 2-3 tool calls
+
+
+def test_alias_family_asks_in_words_the_corpus_never_uses(tiny_cfg, tiny_tokenizer, tools):
+    """The exploration family: questions use alias words only; the expert searches the corpus relation and
+    solves every one, while a search with the question's own word never ranks the right fact first."""
+    world = bundled.make_world(tiny_cfg.tasks.seed)
+    corpus_words = {w.lower() for d in world.documents() for w in d.rstrip(".").split()}
+    probs = bundled.generate("alias", "test", 50, tiny_cfg.tasks.seed)
+    index, naive_first_hits = LexicalIndex(world.documents()), 0
+    for p in probs:
+        words = re.findall(r"the (\w+) of", p.question)
+        assert words and set(words) <= set(bundled.ALIASES) and not set(words) & corpus_words, p.question
+        start = p.question.rstrip("?").rsplit(" of ", 1)[-1]
+        rel = bundled.ALIASES[words[-1]]
+        naive_first_hits += (
+            index.search(f"{words[-1]} of {start}", 3)[0][0] == f"The {rel} of {start} is {world.facts[(rel, start)]}."
+        )
+    assert naive_first_hits == 0  # ties break in document order: a mentor fact comes first
+    loop = AgentLoop(ScriptedExpertEngine(tiny_tokenizer), tiny_tokenizer, tools, settings())
+    trajs, _ = loop.run_groups([to_task(p) for p in probs], 1)
+    assert all(t.correct and t.format_ok for t in trajs)
+    first = re.search(r"<search>(\w+) of", tiny_tokenizer.decode(trajs[0].response_ids)).group(1)
+    assert first == bundled.ALIASES[re.findall(r"the (\w+) of", probs[0].question)[-1]]
 
 
 def test_expert_continues_from_a_retrieved_step_that_is_its_next_one():

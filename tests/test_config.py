@@ -77,6 +77,28 @@ def test_impossible_sizes_are_named():
         load_config(overrides=["rollout.num_workers=0"])
 
 
+def test_per_family_warm_start_demos_are_checked_and_change_only_their_families_cache(tmp_path):
+    from rapo_ray.sft import sft_tasks, warm_start_dir
+
+    with pytest.raises(ConfigError, match="trainer.sft_family_examples: unknown family 'chess'"):
+        load_config(overrides=["trainer.sft_family_examples={chess: 3}"])
+    with pytest.raises(ConfigError, match=r"trainer.sft_family_examples.alias: expected an integer >= 0, got -1"):
+        load_config(overrides=["trainer.sft_family_examples={alias: -1}"])
+    base = [f"run.artifacts_dir={tmp_path}"]
+    default = load_config(overrides=base)
+    # the alias family is not in a default run: its count leaves the default warm start's folder as it was
+    assert warm_start_dir(load_config(overrides=[*base, "trainer.sft_family_examples={alias: 7}"])) == warm_start_dir(
+        default
+    )
+    fams = [*base, "tasks.families=[multihop,alias]"]
+    assert warm_start_dir(load_config(overrides=[*fams, "trainer.sft_family_examples={alias: 7}"])) != warm_start_dir(
+        load_config(overrides=fams)
+    )
+    cfg = load_config(overrides=[*fams, "trainer.sft_family_examples={alias: 7}"])
+    tasks = [f"t{i}" for i in range(50)]
+    assert sft_tasks(cfg, tasks, "alias") == tasks[:7]
+
+
 def test_bad_files(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")

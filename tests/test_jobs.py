@@ -117,3 +117,28 @@ def test_a_killed_driver_takes_its_local_ray_with_it(tmp_path):
     assert not session_processes(session), [
         Path(f"/proc/{p}/cmdline").read_bytes()[:80] for p in session_processes(session)
     ]
+
+
+def test_compare_pairs_each_held_out_problem_with_itself_under_the_same_seed():
+    """benchmarks/compare_algorithms.py's method-vs-method sign test, by hand: seeds 0 and 1 ran both methods
+    (seed 2 only one, so it is left out); rapo solved 2 alias problems grpo did not and none the other way."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "compare_algorithms", Path(__file__).resolve().parents[1] / "benchmarks" / "compare_algorithms.py"
+    )
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    results = [
+        {"method": "grpo", "seed": 0, "after_problems": {"alias-a": False, "alias-b": True, "multihop-a": True}},
+        {"method": "rapo", "seed": 0, "after_problems": {"alias-a": True, "alias-b": True, "multihop-a": False}},
+        {"method": "grpo", "seed": 1, "after_problems": {"alias-a": False, "alias-b": False}},
+        {"method": "rapo", "seed": 1, "after_problems": {"alias-a": True, "alias-b": False}},
+        {"method": "rapo", "seed": 2, "after_problems": {"alias-a": True}},
+    ]
+    alias = compare.paired_vs(results, "rapo", "grpo", "alias")
+    assert alias["seeds"] == [0, 1] and alias["n"] == 4
+    assert (alias["fixed"], alias["broken"], alias["gain"], alias["p_value"]) == (2, 0, 0.5, 0.5)
+    multihop = compare.paired_vs(results, "rapo", "grpo", "multihop")
+    assert (multihop["n"], multihop["fixed"], multihop["broken"]) == (1, 0, 1)
+    assert compare.paired_vs(results, "arpo", "grpo", "alias") is None

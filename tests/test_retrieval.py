@@ -334,6 +334,16 @@ def test_builder_counts_idempotence_and_resume(ray_session, tiny_cfg, tiny_model
     rep2 = build_buffer(cfg, str(tiny_model_dir), uri, tasks, manifest, log=lambda *_: None)  # resume: only the new 5
     assert rep2.skipped_questions == 5 and rep2.trajectories == 5
     assert set(json.loads(manifest.read_text())["questions"]) == {t.id for t in tasks}
+    # built for another setup (here the task seed maps the same ids to other questions): refused, left as it was
+    kept = manifest.read_text()
+    other = replace(cfg, tasks=replace(cfg.tasks, seed=cfg.tasks.seed + 1))
+    seeds = rf"tasks.seed {cfg.tasks.seed} here {cfg.tasks.seed + 1}"
+    with pytest.raises(StoreError, match=rf"'built'.*another setup: {seeds}.*retrieval.collection"):
+        build_buffer(other, str(tiny_model_dir), uri, tasks, manifest, log=lambda *_: None)
+    manifest.write_text(json.dumps({k: v for k, v in json.loads(kept).items() if k != "built_for"}))
+    with pytest.raises(StoreError, match="'built'.*does not record what it was built for"):
+        build_buffer(cfg, str(tiny_model_dir), uri, tasks, manifest, log=lambda *_: None)
+    manifest.write_text(kept)
     # a buffer embedded by the older embedder (whose manifest was a bare list) is refused, and left as it was
     written = json.loads(manifest.read_text())
     manifest.write_text(json.dumps(written["questions"]))

@@ -16,6 +16,7 @@ import re
 
 from rapo_ray.agent import protocol
 from rapo_ray.engines.base import GenerationResult, InferenceEngine
+from rapo_ray.envs.tasks import ALIASES
 
 _ARITH_OPS = re.compile(r"(buys (\d+) boxes of (\d+))|(gives away (\d+))|(finds (\d+) more)")
 _ARITH_START = re.compile(r"^\w+ has (\d+) ")
@@ -59,9 +60,10 @@ def arith_plan(question: str) -> tuple[int, list[str]] | None:
 
 
 def multihop_plan(question: str) -> tuple[str, list[str]] | None:
+    """(start entity, corpus relations in search order); an alias family's words are mapped to the corpus's."""
     if not question.startswith("Who is "):
         return None
-    rels = _HOP.findall(question)
+    rels = [ALIASES.get(word, word) for word in _HOP.findall(question)]
     start = question.rstrip("?").rsplit(" of ", 1)[-1]
     return start, list(reversed(rels))
 

@@ -8,7 +8,7 @@ from rapo_ray.agent.trajectory import Task
 from rapo_ray.envs import tasks as bundled
 from rapo_ray.envs.tools import PythonSandbox, SandboxLimits, SearchTool, ToolSet
 
-FAMILY_KIND = {"arith": "math", "multihop": "qa"}
+FAMILY_KIND = {"arith": "math", "multihop": "qa", "alias": "qa"}
 
 
 def to_task(problem) -> Task:

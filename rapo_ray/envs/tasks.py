@@ -4,6 +4,11 @@
   small model: the expert writes one python call per operation.
 - ``multihop``: 2-3 hop questions over a generated fact corpus ("the mentor of the rival of X"): the
   expert issues one search per hop.
+- ``alias``: the same questions asked with words the corpus never uses ("the foe of the kin of X"; the
+  corpus says "rival" and "sibling"). Searching the question's own words finds the wrong facts; the expert
+  searches the corpus relation. The warm start shows this move rarely (``trainer.sft_family_examples``), so
+  the policy seldom samples it: the family where a retrieved expert step of another question can show a move
+  the policy lacks (issue 21; TASK_DESIGN_NOTES).
 
 The expert's trajectories are written in the protocol (``rapo_ray.agent.protocol``); the tool results in
 them come from the real tools when the agent loop replays them (issue 3), here from the generator itself.
@@ -107,18 +112,26 @@ def make_world(seed: int, num_entities: int = 200) -> FactWorld:
     return FactWorld(ents, facts)
 
 
-def _multihop_problem(rng: random.Random, world: FactWorld, idx: int, split: str, hops: int) -> Problem:
+# Question word -> the corpus relation it means. "mentor" has no alias: the lexical search ranks ties in document
+# order and mentor facts come first, so a search with an unknown word would land on the right mentor fact by luck.
+ALIASES = {"foe": "rival", "kin": "sibling", "ally": "partner", "local": "neighbor"}
+
+
+def _multihop_problem(
+    rng: random.Random, world: FactWorld, idx: int, split: str, hops: int, family: str = "multihop"
+) -> Problem:
     start = rng.choice(world.entities)
-    rels = [rng.choice(_RELATIONS) for _ in range(hops)]
+    words = [rng.choice(sorted(ALIASES) if family == "alias" else _RELATIONS) for _ in range(hops)]
     cur, steps = start, []
-    for rel in rels:
+    for word in words:
+        rel = ALIASES.get(word, word)
         nxt = world.facts[(rel, cur)]
         steps.append((f"find the {rel} of {cur}", "search", f"{rel} of {cur}", f"The {rel} of {cur} is {nxt}."))
         cur = nxt
     phrase = start
-    for rel in rels:
-        phrase = f"the {rel} of {phrase}"
-    return Problem(f"multihop-{split}-{idx}", "multihop", f"Who is {phrase}?", (cur,), tuple(steps))
+    for word in words:
+        phrase = f"the {word} of {phrase}"
+    return Problem(f"{family}-{split}-{idx}", family, f"Who is {phrase}?", (cur,), tuple(steps))
 
 
 # ---------------------------------------------------------------- families
@@ -134,6 +147,9 @@ class TaskFamily:
 TASK_FAMILIES = {
     "arith": TaskFamily("arith", "python", "multi-step arithmetic word problems (python tool)"),
     "multihop": TaskFamily("multihop", "search", "2-3 hop questions over a generated fact corpus (search tool)"),
+    "alias": TaskFamily(
+        "alias", "search", "multihop questions worded with relation names the corpus never uses (search tool)"
+    ),
 }
 
 
@@ -151,13 +167,13 @@ def generate(
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     rng = random.Random(f"{family}:{split}:{seed}")
     out, seen = [], set()
-    if family == "multihop":
+    if family in ("multihop", "alias"):
         world = world or make_world(seed)
     while len(out) < size:
         if family == "arith":
             p = _arith_problem(rng, len(out), split, difficulty or rng.choice([2, 3]))
         else:
-            p = _multihop_problem(rng, world, len(out), split, difficulty or rng.choice([2, 3]))
+            p = _multihop_problem(rng, world, len(out), split, difficulty or rng.choice([2, 3]), family)
         # Disjoint splits whatever their sizes: a question's hash decides its split (1 in 8 is test).
         if p.question not in seen and _is_test_question(p.question) == (split == "test"):
             seen.add(p.question)

@@ -6,12 +6,16 @@
 
 Idempotent: a step's primary key is a hash of its content, so re-running upserts the same rows. Resumable:
 finished questions are recorded in ``<manifest>`` after their steps are written, and skipped next time.
-The manifest also records the embedder version the vectors were made with: a buffer embedded by another
-version is refused (its keys would not match this version's queries), never silently extended.
+The manifest also records the embedder version the vectors were made with and what the steps were built for
+(``buffer_fingerprint``: the tokenizer that wrote their token ids, the task seed that maps question ids to
+questions, the sampler's settings). A buffer made by another version or for another setup is refused (its
+keys would not match this version's queries, or its token ids would decode to other text under this run's
+tokenizer), never silently extended or served.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -137,9 +141,36 @@ def manifest_path(cfg) -> Path:
     return path
 
 
-def read_manifest(manifest: Path, collection: str) -> set[str]:
-    """Question ids already in the buffer; raises StoreError for a manifest that is not valid, or whose buffer
-    was embedded by another embedder version."""
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def buffer_fingerprint(cfg, model_dir: str) -> dict:
+    """What decides the steps stored under a question id: the tokenizer that wrote their ``value_ids`` (a hash of
+    its files), the generator seed that maps ids like ``multihop-train-7`` to questions, and the settings of the
+    expert sampler and of the key embedding. Two runs share a buffer only when these are equal."""
+    digest = hashlib.sha1()
+    files = [Path(model_dir) / name for name in _TOKENIZER_FILES if (Path(model_dir) / name).is_file()]
+    for f in files:
+        digest.update(f.name.encode() + b"\0" + f.read_bytes())
+    rc, ro = cfg.retrieval, cfg.rollout
+    return {
+        "tokenizer": digest.hexdigest()[:16] if files else str(Path(model_dir).resolve()),
+        "tasks.seed": cfg.tasks.seed,
+        "trainer.sft_seed": cfg.trainer.sft_seed,
+        "retrieval.buffer_error_rate": rc.buffer_error_rate,
+        "retrieval.buffer_samples_per_question": rc.buffer_samples_per_question,
+        "retrieval.buffer_keep_top_k": rc.buffer_keep_top_k,
+        "retrieval.pooling": rc.pooling,
+        "retrieval.query_max_chars": rc.query_max_chars,
+        "rollout.max_response_tokens": ro.max_response_tokens,
+        "rollout.max_step_tokens": ro.max_step_tokens,
+        "rollout.max_tool_calls": ro.max_tool_calls,
+    }
+
+
+def read_manifest(manifest: Path, collection: str, fingerprint: dict | None = None) -> set[str]:
+    """Question ids already in the buffer; raises StoreError for a manifest that is not valid, whose buffer was
+    embedded by another embedder version, or (``fingerprint`` given) that was built for another setup."""
     from rapo_ray.retrieval.embedder import EMBEDDER_VERSION
     from rapo_ray.retrieval.store import StoreError
 
@@ -162,14 +193,29 @@ def read_manifest(manifest: Path, collection: str) -> set[str]:
         )
     if not isinstance(data.get("questions"), list):
         raise StoreError(f"buffer manifest {manifest} has no 'questions' list; it is not a step-buffer manifest")
+    built_for = data.get("built_for")
+    if fingerprint is not None and built_for != fingerprint:
+        if not isinstance(built_for, dict):
+            what = "does not record what it was built for (written before rapo_ray checked it)"
+        else:
+            what = "was built for another setup: " + ", ".join(
+                f"{k} {built_for.get(k)!r} here {v!r}" for k, v in fingerprint.items() if built_for.get(k) != v
+            )
+        raise StoreError(
+            f"step buffer {collection!r} (manifest {manifest}) {what}; its steps would be served to this run as if "
+            f"they were its own (another tokenizer decodes their token ids to other text); build a new buffer: set "
+            f"retrieval.collection to a new name, or move {manifest.parent} away"
+        )
     return set(data["questions"])
 
 
-def _write_manifest(manifest: Path, done: set[str]) -> None:
+def _write_manifest(manifest: Path, done: set[str], fingerprint: dict) -> None:
     from rapo_ray.retrieval.embedder import EMBEDDER_VERSION
 
     tmp = manifest.with_suffix(".tmp")  # atomic: a crash leaves the previous manifest
-    tmp.write_text(json.dumps({"embedder_version": EMBEDDER_VERSION, "questions": sorted(done)}))
+    tmp.write_text(
+        json.dumps({"embedder_version": EMBEDDER_VERSION, "built_for": fingerprint, "questions": sorted(done)})
+    )
     tmp.replace(manifest)
 
 
@@ -180,7 +226,8 @@ def build_buffer(cfg, model_dir: str, uri: str, tasks: list, manifest: Path, log
     from rapo_ray.retrieval.store import MilvusStepStore
 
     t0 = time.perf_counter()
-    done = read_manifest(manifest, cfg.retrieval.collection)
+    fingerprint = buffer_fingerprint(cfg, model_dir)
+    done = read_manifest(manifest, cfg.retrieval.collection, fingerprint)
     todo = [t for t in tasks if t.id not in done]
     store = MilvusStepStore(uri, cfg.retrieval.collection, DIM, token=cfg.retrieval.milvus_token)
     report = BufferReport(len(tasks), 0, 0, 0, len(tasks) - len(todo), 0.0)
@@ -213,7 +260,7 @@ def build_buffer(cfg, model_dir: str, uri: str, tasks: list, manifest: Path, log
             report.tokens += sum(len(s.value_ids) for s in steps)
             trajectories.update(batch["traj_id"].tolist())
             done.update(s.question_id for s in steps)
-            _write_manifest(manifest, done)
+            _write_manifest(manifest, done, fingerprint)
         report.trajectories = len(trajectories)
     store.flush()  # also seals a buffer built by an older version without a flush
     report.seconds = time.perf_counter() - t0
