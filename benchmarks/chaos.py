@@ -42,28 +42,12 @@ REPO = Path(__file__).resolve().parents[1]
 KINDS = ("rollout_worker", "learner", "retrieval_replica", "serve_controller", "milvus", "driver")
 PHASES = ("rollout", "old_logprob", "update", "sync", "evaluation", "checkpoint")
 
+# On top of rapo_ray.config's TINY_OVERRIDES + TINY_WARM_OVERRIDES: evaluation and a checkpoint every step, one replica.
 CHAOS_CONFIG = (
-    "rollout.engine=torch",
-    "rollout.max_response_tokens=160",
-    "rollout.max_step_tokens=48",
-    "algo.group_size=4",
-    "algo.rapo.n_hybrid=2",
-    "trainer.prompts_per_step=2",
-    "trainer.eval_size=8",
     "trainer.eval_every=1",
     "checkpoint.every=1",
     "checkpoint.keep_last=2",
-    "learner.mini_batch_size=4",
-    "learner.lr=0.001",
-    "trainer.sft_steps=150",
-    "trainer.sft_lr=0.005",
-    "trainer.sft_batch_size=16",
-    "retrieval.buffer_samples_per_question=2",
-    "retrieval.buffer_keep_top_k=1",
     "retrieval.timeout_s=10",
-    "run.progress=false",
-    "resources.cpus_per_rollout_worker=0.5",
-    "resources.cpus_per_learner=0.5",
     "serve.min_replicas=1",
     "serve.max_replicas=1",
 )
@@ -504,11 +488,12 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     art = Path(args.artifacts or work / "artifacts")
     sys.path.insert(0, str(REPO))
-    from rapo_ray.config import TINY_OVERRIDES
+    from rapo_ray.config import TINY_OVERRIDES, TINY_WARM_OVERRIDES
 
     overrides = [
         f"run.artifacts_dir={art}",
         *TINY_OVERRIDES,
+        *TINY_WARM_OVERRIDES,
         *CHAOS_CONFIG,
         f"trainer.total_steps={args.steps}",
         *args.overrides,

@@ -42,6 +42,28 @@ TINY_OVERRIDES = (
     "tasks.test_size=50",
 )
 
+# On top of TINY_OVERRIDES: a warm start long enough that the tiny policy's outputs are partly format-valid (rewards
+# differ inside groups) and a small RL step on the torch engine; the trainer tests and benchmarks/chaos.py use it.
+TINY_WARM_OVERRIDES = (
+    "trainer.sft_steps=150",
+    "trainer.sft_lr=0.005",
+    "trainer.sft_batch_size=16",
+    "rollout.engine=torch",
+    "rollout.max_response_tokens=160",
+    "rollout.max_step_tokens=48",
+    "algo.group_size=4",
+    "algo.rapo.n_hybrid=2",
+    "trainer.prompts_per_step=2",
+    "trainer.eval_size=8",
+    "learner.mini_batch_size=4",
+    "learner.lr=0.001",
+    "retrieval.buffer_samples_per_question=2",
+    "retrieval.buffer_keep_top_k=1",
+    "run.progress=false",
+    "resources.cpus_per_rollout_worker=0.5",
+    "resources.cpus_per_learner=0.5",
+)
+
 
 def _f(default, help: str, choices: tuple | None = None):
     meta = {"help": help, "choices": choices}

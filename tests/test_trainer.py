@@ -8,7 +8,7 @@ import ray
 import torch
 
 from rapo_ray.agent.trajectory import Task
-from rapo_ray.config import ConfigError
+from rapo_ray.config import TINY_WARM_OVERRIDES, ConfigError
 from tests.conftest import tiny_config
 
 
@@ -381,27 +381,7 @@ def warm_cfg(tmp_path_factory):
     """A tiny warm-started policy: after a short warm start its outputs are partly format-valid, so
     rewards (-1 / 0 / 1) differ inside groups and updates are non-trivial."""
     art = tmp_path_factory.mktemp("warm")
-    return tiny_config(
-        art,
-        "trainer.sft_steps=150",
-        "trainer.sft_lr=0.005",
-        "trainer.sft_batch_size=16",
-        "rollout.engine=torch",
-        "rollout.max_response_tokens=160",
-        "rollout.max_step_tokens=48",
-        "algo.group_size=4",
-        "algo.rapo.n_hybrid=2",
-        "trainer.prompts_per_step=2",
-        "trainer.eval_size=8",
-        "learner.mini_batch_size=4",
-        "learner.lr=0.001",
-        "retrieval.buffer_samples_per_question=2",
-        "retrieval.buffer_keep_top_k=1",
-        "run.progress=false",
-        "resources.cpus_per_rollout_worker=0.5",
-        "resources.cpus_per_learner=0.5",
-        f"run.output_dir={art / 'runs'}",
-    )
+    return tiny_config(art, *TINY_WARM_OVERRIDES, f"run.output_dir={art / 'runs'}")
 
 
 def test_paired_change_counts_flips_and_sign_test():
