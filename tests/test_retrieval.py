@@ -174,6 +174,49 @@ def test_a_killed_milvus_lite_server_is_started_again_with_its_data(tmp_path):
     assert not _alive(server.proc.pid) and server.restarts == 1  # stop() is not a death to recover from
 
 
+def test_an_index_file_cut_short_by_a_killed_server_is_built_again_with_every_row(tmp_path, caplog):
+    """Session 15: a milvus-lite server killed right after a flush (while it wrote the HNSW index in the
+    background) left the index file short, and the restarted server's every load failed ("read error in
+    ...vector.hnsw.idx: 0 != 1"). The index is rebuilt from the stored vectors; the rows stay."""
+    import time
+
+    import numpy as np
+
+    from rapo_ray.agent.retriever import StoredStep
+    from rapo_ray.retrieval.store import MilvusStepStore, step_rows
+
+    steps = [
+        StoredStep(key=f"k{i}", value=f"<think>{i}</think>", value_ids=[i], question_id=f"q{i}") for i in range(30)
+    ]
+    vectors = np.eye(30, 8, dtype=np.float32) + 0.01
+    server = MilvusLiteServer(tmp_path / "srv")
+    try:
+        store = MilvusStepStore(server.uri, "steps", 8, create=True)
+        store.upsert_rows(step_rows(steps, vectors))
+        store.flush()
+        deadline = time.time() + 60  # the index is built in the background after the flush
+        while time.time() < deadline and store.client.describe_index("steps", "vector")["state"] != "Finished":
+            time.sleep(0.2)
+        store.close()
+    finally:
+        server.stop()
+    index_files = list((tmp_path / "srv").rglob("*.idx"))
+    assert index_files, "milvus-lite wrote no index file: the layout this test cuts has changed"
+    for f in index_files:
+        f.write_bytes(b"")
+    server = MilvusLiteServer(tmp_path / "srv")
+    try:
+        with caplog.at_level("WARNING", logger="rapo_ray.retrieval"):
+            again = MilvusStepStore(server.uri, "steps", 8, create=False)
+        assert "building the index again" in caplog.text
+        assert again.count() == 30
+        hits = again.client.search("steps", data=[vectors[7].tolist()], limit=1, output_fields=["key"])
+        assert hits[0][0]["entity"]["key"] == "k7"
+        again.close()
+    finally:
+        server.stop()
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

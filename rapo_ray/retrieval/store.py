@@ -63,6 +63,38 @@ def _connect(uri: str, token: str = "", timeout_s: float = 10.0):
         raise StoreError(f"cannot connect to Milvus at {uri}: {type(exc).__name__}: {exc}") from None
 
 
+def _hnsw_index_params(client):
+    idx = client.prepare_index_params()
+    idx.add_index(field_name="vector", index_type="HNSW", metric_type="IP", params=dict(HNSW))
+    return idx
+
+
+def load_collection(client, collection: str, uri: str) -> None:
+    """Load ``collection`` for search. A milvus-lite server killed while it wrote an HNSW index file (the index is
+    built after a flush, in the background) leaves that file short, and every later load fails reading it. The
+    index is derived data: it is dropped and built again from the stored vectors, with a warning; the rows are
+    untouched. Any other load error is raised."""
+    try:
+        client.load_collection(collection)
+        return
+    except Exception as exc:  # noqa: BLE001 - pymilvus raises MilvusException; only an unreadable index is handled
+        if "read_index" not in str(exc) and ".idx" not in str(exc):
+            raise
+        log.warning(
+            "collection %r at %s: its vector index file is unreadable (a server killed while writing it); "
+            "building the index again from the stored rows",
+            collection,
+            uri,
+        )
+    try:
+        client.release_collection(collection)
+    except Exception:  # noqa: BLE001 - a collection that failed to load may count as released already
+        pass
+    client.drop_index(collection, "vector")
+    client.create_index(collection, _hnsw_index_params(client))
+    client.load_collection(collection)
+
+
 def step_rows(steps: Sequence[StoredStep], vectors: np.ndarray) -> list[dict]:
     """Collection rows for ``steps`` and their key vectors (texts cut to the schema's limits)."""
     return [
@@ -103,7 +135,7 @@ class MilvusStepStore:
             self._create()
         else:
             raise StoreError(f"collection {collection!r} does not exist at {uri}")
-        self.client.load_collection(collection)  # a reopened collection starts released
+        load_collection(self.client, collection, uri)  # a reopened collection starts released
 
     def _collection_dim(self) -> int:
         for f in self.client.describe_collection(self.collection)["fields"]:
@@ -124,9 +156,7 @@ class MilvusStepStore:
         schema.add_field("source", DataType.VARCHAR, max_length=256)
         schema.add_field("question_id", DataType.VARCHAR, max_length=256)
         schema.add_field("step_index", DataType.INT64)
-        idx = self.client.prepare_index_params()
-        idx.add_index(field_name="vector", index_type="HNSW", metric_type="IP", params=dict(HNSW))
-        self.client.create_collection(self.collection, schema=schema, index_params=idx)
+        self.client.create_collection(self.collection, schema=schema, index_params=_hnsw_index_params(self.client))
 
     def upsert(self, steps: Sequence[StoredStep], vectors: np.ndarray) -> int:
         if len(steps) != len(vectors):
@@ -353,10 +383,8 @@ class MilvusDocumentIndex:
             schema.add_field("id", DataType.VARCHAR, is_primary=True, max_length=64)
             schema.add_field("vector", DataType.FLOAT_VECTOR, dim=embedder.dim)
             schema.add_field("text", DataType.VARCHAR, max_length=MAX_TEXT)
-            idx = self.client.prepare_index_params()
-            idx.add_index(field_name="vector", index_type="HNSW", metric_type="IP", params=dict(HNSW))
-            self.client.create_collection(collection, schema=schema, index_params=idx)
-        self.client.load_collection(collection)
+            self.client.create_collection(collection, schema=schema, index_params=_hnsw_index_params(self.client))
+        load_collection(self.client, collection, uri)
 
     def add(self, documents: Sequence[str], batch_size: int = 256) -> int:
         """Upsert documents (keyed by content hash: adding the same text twice keeps one row)."""
