@@ -1,4 +1,4 @@
-"""Weight-sync size ladder: learner rank 0 -> 1, 2, 4 rollout engines, against a plain loopback copy.
+"""Weight-sync size ladder: the learner ranks -> 1, 2, 4 rollout engines, against a plain loopback copy.
 
     python benchmarks/bench_sync.py                                   # bundled, 30m, qwen2.5-0.5b; 1/2/4 workers
     python benchmarks/bench_sync.py --sizes bundled --pushes 30
@@ -7,8 +7,9 @@ For each ``model.size`` (randomly initialised, built under ``--artifacts``): two
 of rollout workers (torch engine; ``--engine vllm`` for the default job's) on a local Ray, as the trainer has
 them. Per worker count: one push to form the group, then ``--pushes`` timed pushes (``WeightSync.push``: the driver's wall time from the call to every engine
 having loaded the weights), and the bound: the same bytes (model bytes x workers, what sync rank 0 sends) from one
-process to another through one loopback TCP socket, measured right after. Writes JSON (``--out``) and prints a
-table.
+process to another through one loopback TCP socket, measured right after. Each learner rank sends its own FSDP
+rows (rapo_ray/sync.py); ``pack`` is learner rank 0's time copying its rows into the staging buffers, ``send`` its
+time waiting for the sends to end. Writes JSON (``--out``) and prints a table.
 """
 
 from __future__ import annotations
@@ -110,8 +111,8 @@ def ladder_rung(
         fleet = RolloutFleet(model_dir, cfg, retrieval_app=None)
         try:
             for n in workers:
-                # each engine holds the model and, during a push, a received copy; the learners' shards and the
-                # gather buffers come on top: a count that cannot fit is skipped, not run into the OOM killer
+                # each engine holds the model and, during a push, a received copy; the learners' shards and their
+                # staging buffers come on top: a count that cannot fit is skipped, not run into the OOM killer
                 model_gb = sum(p.numel() for p in load_model_shapes(model_dir)) * 4 / 2**30
                 need_gb = model_gb * (2 * n + 2)
                 free_gb = psutil.virtual_memory().available / 2**30 + model_gb * 2 * len(fleet.workers)
@@ -144,10 +145,15 @@ def ladder_rung(
                     "pushes": pushes,
                     "median_ms": statistics.median(times),
                     "p95_ms": percentile(times, 0.95),
-                    "gather_ms_median": 1000 * statistics.median(b["gather_s"] for b in breakdown),
+                    "prepare_ms_median": 1000 * statistics.median(b["prepare_s"] for b in breakdown),
+                    "header_ms_median": 1000 * statistics.median(b["header_s"] for b in breakdown),
+                    "pack_ms_median": 1000 * statistics.median(b["pack_s"] for b in breakdown),
                     "send_ms_median": 1000 * statistics.median(b["send_s"] for b in breakdown),
+                    "slowest_sender_ms_median": 1000 * statistics.median(b["slowest_sender_s"] for b in breakdown),
                     "engine_receive_ms_median": 1000 * statistics.median(e["receive_s"] for e in engine_side),
                     "engine_load_ms_median": 1000 * statistics.median(e["load_s"] for e in engine_side),
+                    "engine_wait_ms_median": 1000 * statistics.median(e["wait_s"] for e in engine_side),
+                    "engine_copy_ms_median": 1000 * statistics.median(e["copy_s"] for e in engine_side),
                     "bound_ms": bound,
                 }
                 row["x_bound"] = row["median_ms"] / bound

@@ -425,7 +425,7 @@ class SyncConfig:
         ("auto", "gloo", "nccl"),
     )
     bucket_mb: float = _f(32.0, "Broadcast bucket size in MiB.")
-    timeout_s: float = _f(600.0, "A weight push (group forming, gather, broadcast) that takes longer stops the run.")
+    timeout_s: float = _f(600.0, "A weight push (group forming, sending, loading) that takes longer stops the run.")
     dtype: str = _f(
         "auto",
         "dtype the weights travel in; auto: model.dtype, the engines' dtype, so nothing is widened on the way.",

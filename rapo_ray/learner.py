@@ -84,84 +84,6 @@ def _filler(pad_id: int) -> TrajectoryBatch:
     return TrajectoryBatch([t], old_logprobs=[[0.0]], advantage=[0.0], shaping=[1.0])
 
 
-class ReusedBuffers:
-    """Flat buffers kept from one bucket (and push) to the next: a fresh multi-MB allocation per bucket is page
-    faults on every use, which cost more than the copies themselves (0.5B shape: a gather of 1 GB between two
-    ranks took 2.7-3.4 s into fresh buffers, 1.2-1.3 s into reused ones, measured)."""
-
-    def __init__(self):
-        self._bufs: dict[tuple, torch.Tensor] = {}
-        self.turn = 0  # which of two alternating buffers a caller fills next
-
-    def get(self, name: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
-        key = (name, dtype, str(device))
-        buf = self._bufs.get(key)
-        if buf is None or buf.numel() < numel:
-            buf = self._bufs[key] = torch.empty(numel, dtype=dtype, device=device)
-        return buf[:numel]
-
-
-def gather_bucket(
-    tensors: list, bucket: list, rank: int, world: int, buffers: ReusedBuffers | None = None
-) -> torch.Tensor | None:
-    """``tensors`` (FSDP2 DTensors or plain tensors, every rank the same list) packed as ``bucket`` (their
-    ``TensorSlot`` layout, rapo_ray/sync.py) on rank 0; None on the other ranks. The returned tensor is one of
-    two ``buffers`` used in turn: valid until the call after next (so one can be sent while the next is filled).
-
-    FSDP2 shards a parameter on dim 0 in ``torch.chunk`` pieces (rank r holds rows [r*c, min((r+1)*c, d0)),
-    c = ceil(d0 / world), possibly none). Each rank writes its pieces, cast to the wire dtype, into one flat
-    buffer with c rows' room per tensor; ranks > 0 send theirs to rank 0 point to point (over the default, FSDP,
-    group), and rank 0 copies every rank's rows straight to their place in the bucket. Measured on the 0.5B shape,
-    1 GB from rank 1: send/recv 0.62-0.75 s, ``dist.gather`` 1.2-1.3 s into the same buffers; one
-    ``full_tensor()`` per parameter cost ~2.6 ms each on the bundled model. A plain tensor is taken from rank 0."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    from rapo_ray.sync import pack
-
-    buffers = buffers or ReusedBuffers()
-    shards = [isinstance(t, DTensor) and world > 1 for t in tensors]
-    if not any(shards):
-        if rank != 0:
-            return None
-        dtypes = [getattr(torch, slot.dtype) for slot in bucket]
-        full = [t.full_tensor() if isinstance(t, DTensor) else t for t in tensors]
-        return pack([f.detach().to(device="cpu", dtype=d) for f, d in zip(full, dtypes)], bucket)
-    dtype = getattr(torch, bucket[0].dtype)
-    if any(slot.dtype != bucket[0].dtype for slot in bucket) or not all(shards):
-        raise ValueError("gather_bucket: a bucket mixes dtypes or sharded and plain tensors")
-    layout, total = [], 0
-    for t in tensors:
-        d0, row = t.shape[0], math.prod(t.shape[1:])
-        c = -(-d0 // world)
-        layout.append((total, d0, c, row))
-        total += c * row
-    device = tensors[0].to_local().device
-    mine = buffers.get("mine", total, dtype, device)
-    for t, (off, d0, c, _) in zip(tensors, layout):
-        local = t.to_local()
-        if local.shape[0] != max(0, min(c, d0 - rank * c)):
-            raise RuntimeError(f"unexpected FSDP shard: rank {rank} holds {local.shape[0]} of {d0} rows (chunk {c})")
-        mine[off : off + local.numel()].copy_(local.detach().reshape(-1))  # the padding rows stay unset: dropped
-    if rank != 0:
-        dist.send(mine, dst=0)
-        return None
-    pieces = [mine]
-    for r in range(1, world):
-        piece = buffers.get(f"from{r}", total, dtype, device)
-        dist.recv(piece, src=r)
-        pieces.append(piece)
-    pieces = [p.cpu() for p in pieces]  # (no copy on a CPU learner)
-    buffers.turn ^= 1
-    out = buffers.get(f"bucket{buffers.turn}", bucket[-1].offset + bucket[-1].nbytes, torch.uint8, "cpu")
-    for slot, (off, d0, c, row) in zip(bucket, layout):
-        dst = out[slot.offset : slot.offset + slot.nbytes].view(dtype)
-        for r, piece in enumerate(pieces):
-            n = max(0, min(c, d0 - r * c)) * row
-            dst[r * c * row : r * c * row + n].copy_(piece[off : off + n])
-    return out
-
-
 class LearnerWorker:
     def __init__(
         self, rank: int, world_size: int, master_port: int, model_dir: str, cfg_dict: dict, backend: str = "auto"
@@ -175,8 +97,8 @@ class LearnerWorker:
         set_torch_threads(1)
         set_deterministic(self.cfg.run.deterministic)
         self.rank, self.world = rank, world_size
-        self._sync_group = None  # rank 0's end of the weight-sync group (rapo_ray/sync.py)
-        self._sync_buffers = ReusedBuffers()  # the gather's staging buffers, kept between pushes (~3 buckets' size)
+        self._sync_group = None  # this rank's end of the weight-sync group (rapo_ray/sync.py)
+        self._sync_layout_cache: tuple = ()  # (key, entries, local rows): see _sync_layout
         self.device = pick_device(self.cfg.resources.gpus_per_learner, "resources.gpus_per_learner")
         use_cuda = self.device.type == "cuda"
         backend = backend if backend != "auto" else ("nccl" if use_cuda else "gloo")
@@ -352,37 +274,60 @@ class LearnerWorker:
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return {k: v.detach().clone() for k, v in sd.items()} if self.rank == 0 else None
 
-    def join_weight_sync(self, host: str, port: int, name: str, world: int, timeout_s: float) -> bool:
-        """Rank 0 only: become sync rank 0 of the weight-sync group ``name`` (rapo_ray/sync.py)."""
+    def join_weight_sync(self, host: str, port: int, name: str, rank: int, world: int, timeout_s: float) -> bool:
+        """Become sync rank ``rank`` (this learner rank) of the weight-sync group ``name`` (rapo_ray/sync.py)."""
         from rapo_ray.sync import SyncGroup
 
-        if self._sync_group is not None:
-            self._sync_group.abort()
-        self._sync_group = None
-        self._sync_group = SyncGroup(host, port, name, 0, world, timeout_s)
+        if rank != self.rank:
+            raise ValueError(f"learner rank {self.rank} asked to be weight-sync rank {rank}")
+        previous, self._sync_group = self._sync_group, None  # (a failed join leaves none)
+        self._sync_group = SyncGroup.join(previous, host, port, name, rank, world, timeout_s)
         return True
 
-    def send_weights(self, version: int, bucket_bytes: int, dtype: str) -> dict:
-        """Every rank: gather the parameters bucket by bucket (one FSDP gather each) and, on rank 0, send them to the
-        weight-sync group in ``dtype``. A tied ``lm_head`` is not sent (the engines tie it to the embedding)."""
+    def send_weights(self, version: int, bucket_bytes: int, dtype: str, senders: int) -> dict:
+        """Every rank: send the rows of every parameter that this rank's FSDP shard holds, in ``dtype``, straight to
+        the workers of the weight-sync group (``senders`` = the learner ranks)."""
         from rapo_ray.sync import send_state
 
+        if self._sync_group is None:
+            raise RuntimeError(f"learner rank {self.rank} is in no weight-sync group")
         t0 = time.perf_counter()
-        sd = self.model.state_dict()
-        if getattr(self.model.config, "tie_word_embeddings", False):
-            sd.pop("lm_head.weight", None)
-        entries = [(k, tuple(v.shape), dtype) for k, v in sd.items()]
-
-        def fetch(bucket: list) -> torch.Tensor | None:
-            return gather_bucket([sd[slot.name] for slot in bucket], bucket, self.rank, self.world, self._sync_buffers)
-
-        group = self._sync_group if self.rank == 0 else None
+        entries, local = self._sync_layout(dtype, senders)
+        prepare_s = time.perf_counter() - t0
         try:
-            stats = send_state(group, version, entries, fetch, bucket_bytes)
-            return {**stats, "learner_s": time.perf_counter() - t0}
+            stats = send_state(self._sync_group, version, entries, local.__getitem__, senders, bucket_bytes)
+            return {**stats, "prepare_s": prepare_s, "learner_s": time.perf_counter() - t0}
         except BaseException:
             self._sync_group = None  # aborted by send_state; the driver forms a new group
             raise
+
+    def _sync_layout(self, dtype: str, senders: int) -> tuple[list, dict]:
+        """What ``send_weights`` sends: the (name, shape, dtype, rows per sender) entries, and this rank's rows of
+        each tensor as views of its parameters (they follow the optimizer's in-place updates). Built once: walking
+        the state dict cost 3.6-4.7 ms of a ~17 ms push on the bundled model; ``load_checkpoint`` drops it, since
+        loading may replace parameters. A tied ``lm_head`` is not sent (the engines tie it to the embedding)."""
+        from torch.distributed.tensor import DTensor
+
+        from rapo_ray.sync import shard_rows
+
+        if self._sync_layout_cache and self._sync_layout_cache[0] == (dtype, senders):
+            return self._sync_layout_cache[1:]
+        sd = self.model.state_dict()
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            sd.pop("lm_head.weight", None)
+        local, entries = {}, []
+        for k, v in sd.items():
+            sharded = isinstance(v, DTensor) and senders > 1 and v.dim() > 0
+            rows = shard_rows(v.shape[0], senders) if sharded else ()
+            if sharded:
+                local[k] = v.to_local()
+                if local[k].shape[0] != rows[self.rank]:
+                    raise RuntimeError(f"{k}: FSDP shard of {local[k].shape[0]} rows on rank {self.rank}, not {rows}")
+            elif self.rank == 0:  # a plain (or one-rank) tensor: rank 0 sends it whole
+                local[k] = v.to_local() if isinstance(v, DTensor) else v
+            entries.append((k, tuple(v.shape), dtype, rows))
+        self._sync_layout_cache = ((dtype, senders), entries, local)
+        return entries, local
 
     def save_checkpoint(self, path: str, tokenizer_dir: str) -> bool:
         """Rank 0 writes the HF model (in ``model.dtype``, what engines and serving load) and the full optimizer
@@ -419,6 +364,7 @@ class LearnerWorker:
         full = blob["master"] if "master" in blob else load_model(path).state_dict()
         opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
         set_model_state_dict(self.model, full, options=opts)
+        self._sync_layout_cache = ()  # the parameters may be new tensors now
         set_optimizer_state_dict(self.model, self.opt, blob["optimizer"], options=opts)
         self.sched.load_state_dict(blob["scheduler"])
         return True

@@ -107,10 +107,8 @@ class RolloutWorker:
         """Become ``rank`` of the weight-sync group ``name`` (rapo_ray/sync.py), leaving the previous one."""
         from rapo_ray.sync import SyncGroup
 
-        if self._sync_group is not None:
-            self._sync_group.abort()
-        self._sync_group = None
-        self._sync_group = SyncGroup(host, port, name, rank, world, timeout_s)
+        previous, self._sync_group = self._sync_group, None  # (a failed join leaves none)
+        self._sync_group = SyncGroup.join(previous, host, port, name, rank, world, timeout_s)
         return True
 
     def receive_weights(self) -> int:
@@ -127,7 +125,11 @@ class RolloutWorker:
             raise
         t1 = time.perf_counter()
         self.engine.load_weights(state_dict, version)
-        self.last_receive = {"receive_s": t1 - t0, "load_s": time.perf_counter() - t1}  # bench_sync reports it
+        self.last_receive = {  # bench_sync reports it
+            "receive_s": t1 - t0,
+            "load_s": time.perf_counter() - t1,
+            **self._sync_group.last_receive,
+        }
         return version
 
     def state_dict(self) -> dict:
@@ -176,7 +178,8 @@ class RolloutFleet:
 
     # ------------------------------------------------------------ membership
 
-    def _start(self, n: int) -> list[int]:
+    def _start(self, n: int, bring_up: bool = True) -> list[int]:
+        """Start ``n`` workers; with ``bring_up``, hand them to ``on_new_workers`` (the current weights)."""
         ids = []
         for _ in range(n):
             wid = self._next_id
@@ -191,7 +194,7 @@ class RolloutFleet:
                 f"place actors needing {self.cfg.resources.cpus_per_rollout_worker:g} CPU / "
                 f"{self.cfg.resources.gpus_per_rollout_worker:g} GPU each"
             ) from None
-        if self.on_new_workers is not None:
+        if bring_up and self.on_new_workers is not None:
             self.on_new_workers([self.workers[w] for w in ids])
         return ids
 
@@ -211,11 +214,12 @@ class RolloutFleet:
                 ray.kill(w)
             self.events.append(FleetEvent(time.time(), "scale_down", f"-{cur - n} -> {n}"))
 
-    def replace_dead(self, during: str, timeout_s: float = 30.0) -> int:
+    def replace_dead(self, during: str, timeout_s: float = 30.0, bring_up: bool = True) -> int:
         """Ping every worker; replace each one that is dead, or that does not answer within ``timeout_s`` (killed
         first: an idle worker answers in milliseconds). The new ones get the current weights
-        (``on_new_workers``) before they take work. For phases outside ``run_step`` (weight sync), which must not
-        fail the run for a worker that died while idle. Returns how many were replaced."""
+        (``on_new_workers``) before they take work, unless ``bring_up`` is False (the caller pushes to the whole
+        fleet next). For phases outside ``run_step`` (weight sync), which must not fail the run for a worker that
+        died while idle. Returns how many were replaced."""
         pings = {self.workers[w].ready.remote(): w for w in sorted(self.workers)}
         dead = []
         for ref, wid in pings.items():
@@ -230,7 +234,7 @@ class RolloutFleet:
             self.workers.pop(wid, None)
             self.events.append(FleetEvent(time.time(), "replaced", f"worker {wid} {why} during {during}"))
         if dead:
-            self._start(len(dead))
+            self._start(len(dead), bring_up)
         return len(dead)
 
     def autoscale(self, backlog_groups: int, groups_per_worker: int = 2) -> int:

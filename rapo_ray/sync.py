@@ -1,19 +1,27 @@
-"""Weight sync: learner rank 0 sends the weights straight to every rollout engine, bucketed and versioned.
+"""Weight sync: every learner rank sends its own shard of the weights straight to every rollout engine, bucketed
+and versioned.
 
-    driver (WeightSync)          learner ranks (send_weights)             rollout workers (receive_weights)
-    rendezvous store only  ->    rank 0 = sync rank 0 -- buckets --->     sync ranks 1..N, load when complete
-                                 ranks > 0: take part in the FSDP gather
+    driver (WeightSync)          learner ranks (send_weights)                   rollout workers (receive_weights)
+    rendezvous store only  ->    sync rank r = learner rank r: its FSDP    ->   sync ranks L..L+N-1: put each bucket's
+                                 rows of each bucket, point to point            rows together, load when complete
 
-Nothing but the calls passes through the driver or the object store. The sync group is a process group built
-directly on a ``TCPStore`` (``SyncGroup``), outside torch.distributed's default group: the learners' default group
-is FSDP's (``ray.util.collective``'s gloo groups live in the default group, so a learner cannot be in one), and
-its world size is fixed, while the fleet's is not. The driver hosts the store for the whole run; each membership
-gets a group of its own under a key prefix, rebuilt when the fleet changes.
+Nothing but the calls passes through the driver or the object store, and nothing is copied between the learners:
+FSDP2 holds rows [r*c, min((r+1)*c, d0)) of every parameter on rank r (``shard_rows``), so rank r sends exactly
+those rows of every bucket to every worker, and the worker writes them to their place in the bucket. The engines
+receive each byte of the model once; a gather on learner rank 0 first (the previous design) cost 1.6-2.0 s per
+push at the 0.5B shape (docs/RESULTS.md).
 
-Wire format of one push: a header (int64 ``[version, spec bytes]``), the spec (JSON: for each bucket, its tensors'
-name, shape, dtype, byte offset; left out, spec bytes 0, when it is the group's previous one), then each bucket as
-one uint8 tensor. Tensors travel in the engines' dtype
-(``sync.dtype``): nothing is widened to fp32 on the way, and a worker loads nothing until every bucket arrived.
+The sync group is a process group built directly on a ``TCPStore`` (``SyncGroup``), outside torch.distributed's
+default group: the learners' default group is FSDP's (``ray.util.collective``'s gloo groups live in the default
+group, so a learner cannot be in one), and its world size is fixed, while the fleet's is not. The driver hosts the
+store for the whole run; each membership gets a group of its own under a key prefix, rebuilt when the fleet changes.
+
+Wire format of one push: a header broadcast from sync rank 0 (int64 ``[version, spec bytes, senders]``), the spec
+(JSON: for each bucket, its tensors' name, shape, dtype, byte offset, size and rows per sender; left out, spec
+bytes 0, when it is the group's previous one), then for each bucket and each sender holding rows of it one uint8
+segment (``segment``), sent point to point to each worker with the bucket's index as tag. Tensors travel in the
+engines' dtype (``sync.dtype``): nothing is widened to fp32 on the way, and a worker loads nothing until every
+bucket arrived.
 """
 
 from __future__ import annotations
@@ -28,33 +36,62 @@ from dataclasses import dataclass
 import ray
 import torch
 
-_ALIGN = 64  # byte offset alignment inside a bucket: every dtype's view of its slice is aligned
+_ALIGN = 64  # byte offset alignment inside a bucket or segment: every dtype's view of its slice is aligned
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _element_size(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def shard_rows(d0: int, senders: int) -> tuple[int, ...]:
+    """Rows of dim 0 that each of ``senders`` ranks holds under FSDP2's ``Shard(0)`` (``torch.chunk`` pieces:
+    c = ceil(d0 / senders) rows each, the last ones fewer or none). [senders] ints summing to d0."""
+    c = -(-d0 // senders) if senders else 0
+    return tuple(max(0, min(c, d0 - r * c)) for r in range(senders))
 
 
 @dataclass(frozen=True)
 class TensorSlot:
-    """Where one tensor sits in a bucket."""
+    """Where one tensor sits in a bucket, and which sender holds which of its rows."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str  # torch dtype name without the "torch." prefix
     offset: int  # bytes from the bucket's start
     nbytes: int
+    rows: tuple[int, ...] = ()  # rows of dim 0 per sender (``shard_rows``); () = sender 0 holds the whole tensor
+
+    def rows_of(self, sender: int) -> tuple[int, int]:
+        """(first row, row count) that ``sender`` holds; a 0-d tensor counts as one row."""
+        d0 = self.shape[0] if self.shape else 1
+        rows = self.rows or (d0,)
+        if sender >= len(rows):
+            return 0, 0
+        return sum(rows[:sender]), rows[sender]
+
+    @property
+    def row_bytes(self) -> int:
+        return self.nbytes // (self.shape[0] if self.shape else 1) if self.nbytes else 0
 
 
-def plan_buckets(entries: list[tuple[str, tuple[int, ...], str]], bucket_bytes: int) -> list[list[TensorSlot]]:
-    """Lay ``(name, shape, dtype)`` entries out in buckets of at most ``bucket_bytes`` (a tensor larger than that
-    gets a bucket of its own; a tensor never spans two), in order, each offset aligned to 64 bytes."""
+def plan_buckets(entries: list[tuple], bucket_bytes: int) -> list[list[TensorSlot]]:
+    """Lay ``(name, shape, dtype)`` or ``(name, shape, dtype, rows)`` entries out in buckets of at most
+    ``bucket_bytes`` (a tensor larger than that gets a bucket of its own; a tensor never spans two), in order, each
+    offset aligned to 64 bytes. ``rows``: see ``TensorSlot.rows``."""
     buckets: list[list[TensorSlot]] = []
     cur: list[TensorSlot] = []
     used = 0
-    for name, shape, dtype in entries:
-        nbytes = math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
-        start = -(-used // _ALIGN) * _ALIGN
+    for name, shape, dtype, *rows in entries:
+        nbytes = math.prod(shape) * _element_size(dtype)
+        start = _aligned(used)
         if cur and start + nbytes > bucket_bytes:
             buckets.append(cur)
             cur, start = [], 0
-        cur.append(TensorSlot(name, tuple(shape), dtype, start, nbytes))
+        cur.append(TensorSlot(name, tuple(shape), dtype, start, nbytes, tuple(rows[0]) if rows else ()))
         used = start + nbytes
     if cur:
         buckets.append(cur)
@@ -63,6 +100,50 @@ def plan_buckets(entries: list[tuple[str, tuple[int, ...], str]], bucket_bytes: 
 
 def bucket_size(bucket: list[TensorSlot]) -> int:
     return bucket[-1].offset + bucket[-1].nbytes
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One sender's rows of one tensor: bytes ``[offset, offset + nbytes)`` of its segment belong at
+    ``slot.offset + first_row * slot.row_bytes`` in the bucket."""
+
+    slot: TensorSlot
+    first_row: int
+    n_rows: int
+    offset: int
+    nbytes: int
+
+
+def segment(bucket: list[TensorSlot], sender: int) -> tuple[list[Piece], int]:
+    """The rows of ``bucket`` that ``sender`` holds, laid out in tensor order with 64-byte aligned offsets (as
+    ``plan_buckets`` lays out whole tensors), and the segment's size in bytes. A sender that holds every row of the
+    bucket has the bucket's own layout: its segment is the bucket, received in place."""
+    pieces, used = [], 0
+    for slot in bucket:
+        first, n = slot.rows_of(sender)
+        if n == 0:
+            continue
+        start = _aligned(used)
+        pieces.append(Piece(slot, first, n, start, n * slot.row_bytes))
+        used = start + n * slot.row_bytes
+    return pieces, (pieces[-1].offset + pieces[-1].nbytes if pieces else 0)
+
+
+def is_whole(pieces: list[Piece], bucket: list[TensorSlot]) -> bool:
+    return len(pieces) == len(bucket) and all(p.offset == p.slot.offset and p.nbytes == p.slot.nbytes for p in pieces)
+
+
+def pack_segment(out: torch.Tensor, pieces: list[Piece], local) -> torch.Tensor:
+    """Write each piece's rows into ``out`` ([>= segment size] uint8, CPU), cast to the slot's dtype on the way.
+    ``local(name)``: the rows this sender holds of that tensor (any dtype, any device). Returns ``out``."""
+    for p in pieces:
+        rows = local(p.slot.name)
+        want = (p.n_rows, *p.slot.shape[1:]) if p.slot.shape else ()
+        if tuple(rows.shape) != want:
+            raise ValueError(f"{p.slot.name}: this sender holds {tuple(rows.shape)}, the plan says {want}")
+        dst = out[p.offset : p.offset + p.nbytes].view(getattr(torch, p.slot.dtype)).view(want)
+        dst.copy_(rows.detach())
+    return out
 
 
 def pack(tensors: list[torch.Tensor], bucket: list[TensorSlot]) -> torch.Tensor:
@@ -85,7 +166,24 @@ def _spec_to_json(buckets: list[list[TensorSlot]]) -> bytes:
 
 
 def _spec_from_json(raw: bytes) -> list[list[TensorSlot]]:
-    return [[TensorSlot(n, tuple(sh), dt, off, nb) for n, sh, dt, off, nb in b] for b in json.loads(raw)]
+    return [[TensorSlot(n, tuple(sh), dt, off, nb, tuple(r)) for n, sh, dt, off, nb, r in b] for b in json.loads(raw)]
+
+
+class ReusedBuffers:
+    """Flat buffers kept from one bucket (and push) to the next: a fresh multi-MB allocation per bucket is page
+    faults on every use, which cost more than the copies themselves (0.5B shape: moving 1 GB between two
+    processes took 2.7-3.4 s into fresh buffers, 1.2-1.3 s into reused ones, measured)."""
+
+    def __init__(self):
+        self._bufs: dict[tuple, torch.Tensor] = {}
+        self.turn = 0  # which of two alternating buffers a caller fills next
+
+    def get(self, name: str, numel: int, dtype: torch.dtype = torch.uint8, device="cpu") -> torch.Tensor:
+        key = (name, dtype, str(device))
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = self._bufs[key] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel]
 
 
 class SyncGroup:
@@ -104,121 +202,152 @@ class SyncGroup:
         opts._timeout = timeout
         self.name, self.rank, self.world = name, rank, world
         self.spec: bytes | None = None  # the last push's spec: a push with the same layout does not resend it
+        self.buffers = ReusedBuffers()  # staging segments and received buckets, kept between buckets and pushes
+        self.last_receive: dict = {}  # a worker's seconds waiting for data and putting rows in place (bench_sync)
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, world, opts)
+
+    @classmethod
+    def join(cls, previous: SyncGroup | None, host: str, port: int, name: str, rank: int, world: int, timeout_s):
+        """Leave ``previous`` (if any) and become ``rank`` of ``name``: what a learner or a worker does when the
+        driver forms a new group."""
+        if previous is not None:
+            previous.abort()
+        group = cls(host, port, name, rank, world, timeout_s)
+        if previous is not None:
+            group.buffers = previous.buffers  # (already paged in)
+        return group
+
+    def _live_pg(self):
+        if self.pg is None:
+            raise RuntimeError(f"weight-sync group {self.name} was aborted")
+        return self.pg
 
     def broadcast_async(self, t: torch.Tensor):
         """Start a broadcast from rank 0; the returned work's ``wait()`` ends it (and raises its error)."""
-        if self.pg is None:
-            raise RuntimeError(f"weight-sync group {self.name} was aborted")
-        return self.pg.broadcast(t, 0)
+        return self._live_pg().broadcast(t, 0)
 
     def broadcast(self, t: torch.Tensor) -> None:
         self.broadcast_async(t).wait()
 
+    def send_async(self, t: torch.Tensor, dst: int, tag: int):
+        return self._live_pg().send([t], dst, tag)
+
+    def recv_async(self, t: torch.Tensor, src: int, tag: int):
+        return self._live_pg().recv([t], src, tag)
+
     def abort(self) -> None:
-        """Close the connections, so members waiting in a broadcast fail now instead of at the timeout. Only the
+        """Close the connections, so members waiting in a transfer fail now instead of at the timeout. Only the
         process group's destructor closes them (measured: ``abort()`` and ``shutdown()`` leave the peers waiting)."""
         pg, self.pg = self.pg, None
         del pg
 
 
-def send_state(
-    group: SyncGroup | None, version: int, entries: list[tuple[str, tuple, str]], fetch, bucket_bytes: int
-) -> dict:
-    """Send ``version`` of the weights over ``group`` (sync rank 0), bucket by bucket.
+def send_state(group: SyncGroup, version: int, entries: list[tuple], local, senders: int, bucket_bytes: int) -> dict:
+    """Send this sender's rows of ``version`` of the weights (sync rank ``group.rank`` < ``senders``) to every
+    worker (sync ranks ``senders``..world-1), bucket by bucket.
 
-    ``entries``: (name, shape, dtype) in send order; ``fetch(bucket)`` returns the bucket's tensors packed (``pack``)
-    on the sending rank, anything elsewhere. Every learner rank calls this with the same entries, since ``fetch``
-    may be a collective (one FSDP gather per bucket);
-    only the rank holding ``group`` sends. A failed send aborts the group (no receiver waits for the rest) and is
-    raised after the last gather, so the other learner ranks are never left waiting in one; any other error aborts
-    the group and is raised at once. A bucket's broadcast runs while the next one is gathered; ``fetch`` may reuse a
-    buffer every other call. Returns bytes sent, seconds gathering, and seconds waiting for sends to finish."""
+    ``entries``: (name, shape, dtype, rows per sender) in send order, the same on every sender; ``local(name)``:
+    the rows this sender holds of that tensor. Sync rank 0 also sends the header and, when it changed, the spec.
+    One bucket's sends run while the next is packed (two staging buffers in turn). Any error aborts the group, so
+    no worker waits for the rest, and is raised. Returns bytes sent (per worker), seconds in the header's broadcast
+    (waiting for the other members to arrive), seconds packing, and seconds waiting for sends to finish."""
     buckets = plan_buckets(entries, bucket_bytes)
-    gather_s = send_s = 0.0
-    failure: BaseException | None = None
-    inflight: list = []  # (work, tensor) of the bucket being broadcast while the next one is gathered
+    workers = range(senders, group.world)
+    pack_s = send_s = 0.0
+    sent = 0
+    inflight: list = []  # the works of the bucket being sent while the next one is packed
 
     def finish() -> None:
-        nonlocal failure, send_s
-        if not inflight:
-            return
+        nonlocal send_s
         t0 = time.perf_counter()
-        work, _ = inflight.pop()
-        try:
-            work.wait()
-        except Exception as exc:  # noqa: BLE001 - raised after the gathers below
-            failure = exc
-            del work  # (it holds the process group: abort() must drop the last reference)
-            group.abort()
+        while inflight:
+            inflight.pop().wait()
         send_s += time.perf_counter() - t0
-
-    def send(t: torch.Tensor, overlap: bool = False) -> None:
-        nonlocal failure
-        if group is None or failure is not None:
-            return
-        finish()  # one broadcast in flight at a time: the gather's two bucket buffers alternate
-        if failure is not None:
-            return
-        try:
-            inflight.append((group.broadcast_async(t), t))
-        except Exception as exc:  # noqa: BLE001 - raised after the gathers below
-            failure = exc
-            group.abort()
-            return
-        if not overlap:
-            finish()
 
     try:
         spec = _spec_to_json(buckets)
-        fresh = group is not None and spec != group.spec
-        send(torch.tensor([version, len(spec) if fresh else 0], dtype=torch.int64))
-        if fresh:
-            send(torch.frombuffer(bytearray(spec), dtype=torch.uint8))
-            group.spec = spec
-        for bucket in buckets:
+        fresh = spec != group.spec  # rank 0 decides; the other senders follow its header
+        header = torch.tensor([version, len(spec) if fresh else 0, senders], dtype=torch.int64)
+        t0 = time.perf_counter()
+        group.broadcast(header)  # (waits for every member to be called)
+        header_s = time.perf_counter() - t0
+        if header[1]:
+            if group.rank == 0:
+                raw = torch.frombuffer(bytearray(spec), dtype=torch.uint8)
+            else:
+                raw = torch.empty(int(header[1]), dtype=torch.uint8)
+            group.broadcast(raw)
+            group.spec = raw.numpy().tobytes()
+        if group.spec != spec:
+            raise RuntimeError(
+                f"weight push {version}: learner rank {group.rank} lays the weights out unlike rank 0 "
+                "(different parameters or shapes on the learner ranks)"
+            )
+        for tag, bucket in enumerate(buckets):
+            pieces, size = segment(bucket, group.rank)
+            if size == 0:
+                continue
             t0 = time.perf_counter()
-            packed = fetch(bucket)  # even after a failed send: the other ranks wait in this gather
-            gather_s += time.perf_counter() - t0
-            send(packed, overlap=True)
+            group.buffers.turn ^= 1  # the other buffer may still be on the wire until finish()
+            buf = pack_segment(group.buffers.get(f"segment{group.buffers.turn}", size), pieces, local)
+            pack_s += time.perf_counter() - t0
+            finish()
+            inflight.extend(group.send_async(buf, dst, tag) for dst in workers)
+            sent += size
         finish()
-    except BaseException:  # a failed gather or pack: the receivers must not wait for the rest
+    except BaseException:
         inflight.clear()
-        if group is not None:
-            group.abort()
+        group.abort()
         raise
-    if failure is not None:
-        raise failure
-    return {
-        "bytes": sum(bucket_size(b) for b in buckets),
-        "buckets": len(buckets),
-        "gather_s": gather_s,
-        "send_s": send_s,
-    }
+    return {"bytes": sent, "buckets": len(buckets), "header_s": header_s, "pack_s": pack_s, "send_s": send_s}
 
 
 def receive_state(group: SyncGroup) -> tuple[int, dict[str, torch.Tensor]]:
-    """Receive one push (``send_state``) on a non-zero rank: the version and the full state dict, in the dtype sent.
-    On an error the group is aborted and nothing is returned, so a partial push is never loaded."""
+    """Receive one push (``send_state``) on a worker: the version and the full state dict, in the dtype sent.
+    On an error the group is aborted and nothing is returned, so a partial push is never loaded.
+
+    The state dict's tensors are views of buffers that the group keeps for the next push (fresh buffers were page
+    faults on every byte: see ``ReusedBuffers``), so the caller must copy them (engines' ``load_weights`` do) before
+    receiving again. A worker holds one received copy of the model between pushes, as it did during one."""
+    pending: list = []  # works in flight: they hold the process group, so they go before abort() closes it
+    wait_s = copy_s = 0.0
     try:
-        header = torch.zeros(2, dtype=torch.int64)
+        header = torch.zeros(3, dtype=torch.int64)
         group.broadcast(header)
-        version = int(header[0])
-        if header[1]:
-            raw = torch.empty(int(header[1]), dtype=torch.uint8)
+        version, spec_bytes, senders = (int(x) for x in header)
+        if spec_bytes:
+            raw = torch.empty(spec_bytes, dtype=torch.uint8)
             group.broadcast(raw)
             group.spec = raw.numpy().tobytes()
         if group.spec is None:
             raise RuntimeError(f"weight push {version}: no layout received in group {group.name}")
-        buckets = _spec_from_json(group.spec)
         out: dict[str, torch.Tensor] = {}
-        for bucket in buckets:
-            buf = torch.empty(bucket_size(bucket), dtype=torch.uint8)
-            group.broadcast(buf)
+        for tag, bucket in enumerate(_spec_from_json(group.spec)):
+            buf = group.buffers.get(f"bucket{tag}", bucket_size(bucket))
+            segments = [(r, *segment(bucket, r)) for r in range(senders)]
+            segments = [(r, pieces, size) for r, pieces, size in segments if size]
+            if len(segments) == 1 and is_whole(segments[0][1], bucket):
+                pending.append(group.recv_async(buf, segments[0][0], tag))  # in place: one sender holds it all
+                staged = []
+            else:
+                staged = [(pieces, group.buffers.get(f"from{r}", size)) for r, pieces, size in segments]
+                pending.extend(group.recv_async(s, r, tag) for (r, _, _), (_, s) in zip(segments, staged))
+            t0 = time.perf_counter()
+            while pending:
+                pending[0].wait()
+                pending.pop(0)
+            t1 = time.perf_counter()
+            for pieces, s in staged:
+                for p in pieces:
+                    at = p.slot.offset + p.first_row * p.slot.row_bytes
+                    buf[at : at + p.nbytes].copy_(s[p.offset : p.offset + p.nbytes])
+            wait_s, copy_s = wait_s + t1 - t0, copy_s + time.perf_counter() - t1
             out.update(unpack(buf, bucket))
     except BaseException:
+        pending.clear()
         group.abort()
         raise
+    group.last_receive = {"wait_s": wait_s, "copy_s": copy_s}
     return version, out
 
 
@@ -229,9 +358,8 @@ class WeightSync:
     """Driver side: hosts the rendezvous store, (re)forms the group for the current fleet, and starts each push
     on the learner ranks (senders) and the rollout workers (receivers) at once.
 
-    The learner actors need ``join_weight_sync(host, port, name, world, timeout_s)`` (rank 0 only) and
-    ``send_weights(version, bucket_bytes, dtype)`` (every rank); the workers ``join_weight_sync(host, port, name,
-    rank, world, timeout_s)`` and ``receive_weights()``."""
+    Every learner rank and every worker needs ``join_weight_sync(host, port, name, rank, world, timeout_s)``; the
+    learner ranks ``send_weights(version, bucket_bytes, dtype, senders)``, the workers ``receive_weights()``."""
 
     def __init__(self, bucket_mb: float = 32.0, timeout_s: float = 600.0, dtype: str = "float32"):
         import torch.distributed as dist
@@ -252,31 +380,41 @@ class WeightSync:
         """After a failed push: the group is formed afresh at the next push."""
         self.members = ()
 
-    def _ensure_group(self, sender, workers: list) -> None:
-        key = (sender._actor_id.hex(),) + tuple(w._actor_id.hex() for w in workers)
+    @staticmethod
+    def _key(members: list) -> tuple:
+        return tuple(m._actor_id.hex() for m in members)
+
+    def needs_new_group(self, learners: list, workers: list) -> bool:
+        """Whether a push to these members forms a new group (the fleet changed, or the last push failed)."""
+        return self._key([*learners, *workers]) != self.members
+
+    def _ensure_group(self, learners: list, workers: list) -> None:
+        """Sync ranks: the learner ranks first (0..L-1, each its own rank), then the workers."""
+        members = [*learners, *workers]
+        key = self._key(members)
         if key == self.members:
             return
         self.generation += 1
-        name, world = f"{self.prefix}_{self.generation}/", len(workers) + 1
+        name, world = f"{self.prefix}_{self.generation}/", len(members)
         one_machine = sum(n["Alive"] for n in ray.nodes()) == 1  # (a local Ray): loopback only
         host = "127.0.0.1" if one_machine else ray.util.get_node_ip_address()
         args = (host, self.store.port, name)
         self._wait(
-            [sender.join_weight_sync.remote(*args, world, self.timeout_s)]
-            + [w.join_weight_sync.remote(*args, i + 1, world, self.timeout_s) for i, w in enumerate(workers)],
+            [m.join_weight_sync.remote(*args, rank, world, self.timeout_s) for rank, m in enumerate(members)],
             "forming the group",
+            n_learners=len(learners),
         )
         self.members = key
 
     def push(self, learners: list, workers: list, version: int) -> float:
         """Send the learners' current weights to ``workers`` as ``version``; returns the milliseconds it took.
-        ``learners``: every learner rank's actor, rank 0 first (each takes part in the gather)."""
+        ``learners``: every learner rank's actor, rank 0 first (each sends its own shard)."""
         t0 = time.perf_counter()
         try:
-            self._ensure_group(learners[0], workers)
-            sends = [r.send_weights.remote(version, self.bucket_bytes, self.dtype) for r in learners]
+            self._ensure_group(learners, workers)
+            sends = [r.send_weights.remote(version, self.bucket_bytes, self.dtype, len(learners)) for r in learners]
             recvs = [w.receive_weights.remote() for w in workers]
-            results = self._wait(sends + recvs, "broadcasting", n_learners=len(sends))
+            results = self._wait(sends + recvs, "sending", n_learners=len(sends))
         except BaseException:
             self.members = ()  # the members dropped their ends of the group
             raise
@@ -284,7 +422,13 @@ class WeightSync:
         if got != [version] * len(workers):
             raise RuntimeError(f"weight push {version}: the workers report versions {got}")
         self.last_ms = (time.perf_counter() - t0) * 1000
-        self.last = {**results[0], "ms": self.last_ms}
+        sent = results[: len(sends)]
+        self.last = {  # learner rank 0's breakdown; bytes: every sender's, the model once
+            **sent[0],
+            "bytes": sum(r["bytes"] for r in sent),
+            "ms": self.last_ms,
+            "slowest_sender_s": max(r["learner_s"] for r in sent),
+        }
         return self.last_ms
 
     def _wait(self, refs: list, what: str, n_learners: int = 1) -> list:

@@ -233,15 +233,22 @@ class Trainer:
 
 def push_weights(sync: WeightSync, fleet: RolloutFleet, learners: list, version: int) -> int:
     """Push the learners' weights as ``version`` to every rollout worker. A worker that died outside a rollout
-    (during the old-logprob pass, the update, an evaluation's end) must not end the run: dead workers are replaced
-    first (a new one is brought up to date as it joins, ``RolloutFleet.on_new_workers``), and a push that still
-    meets a dead worker is retried once on a new group after replacing it. Returns the number replaced."""
-    replaced = fleet.replace_dead("weight sync")
+    (during the old-logprob pass, the update, an evaluation's end) must not end the run:
+    - with the group of the last push unchanged, the push itself meets a dead member at once (its connections
+      close) and fails with nothing loaded; the dead are then replaced and the push retried on a new group;
+    - a push that must form a new group (the fleet changed, or the last push failed) pings the workers first and
+      replaces the dead: a dead member would leave the others waiting in the group's rendezvous for
+      ``sync.timeout_s``.
+    Replacements are not brought up to date on their own: the push that follows covers them. Returns the number
+    replaced."""
+    replaced = 0
+    if sync.needs_new_group(learners, fleet.handles()):
+        replaced += fleet.replace_dead("weight sync", bring_up=False)
     try:
         sync.push(learners, fleet.handles(), version)
-    except WORKER_DIED:  # died between the check and the push, or during it: the others aborted, nothing loaded
+    except WORKER_DIED:  # died before the push or during it: the others aborted, nothing loaded
         sync.reset()
-        replaced += fleet.replace_dead("weight sync")
+        replaced += fleet.replace_dead("weight sync", bring_up=False)
         sync.push(learners, fleet.handles(), version)
     return replaced
 

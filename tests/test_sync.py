@@ -1,5 +1,5 @@
-"""Weight-sync pieces without Ray: bucket layout, packing, the wire protocol over a real gloo group, and the
-one-gather FSDP collection (rapo_ray/sync.py, rapo_ray/learner.py). The Ray-level pushes are in test_trainer.py."""
+"""Weight-sync pieces without Ray: bucket layout, per-sender segments, packing, the wire protocol over a real gloo
+group with several senders, and FSDP2's row split (rapo_ray/sync.py). The Ray-level pushes are in test_trainer.py."""
 
 import os
 import threading
@@ -10,7 +10,19 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
-from rapo_ray.sync import SyncGroup, TensorSlot, pack, plan_buckets, receive_state, send_state, unpack
+from rapo_ray.sync import (
+    SyncGroup,
+    TensorSlot,
+    bucket_size,
+    is_whole,
+    pack,
+    plan_buckets,
+    receive_state,
+    segment,
+    send_state,
+    shard_rows,
+    unpack,
+)
 
 
 def test_plan_buckets_aligns_offsets_and_never_splits_a_tensor():
@@ -42,102 +54,155 @@ def test_pack_unpack_round_trip_is_bit_exact_in_every_dtype():
         pack([tensors["w"].double(), *list(tensors.values())[1:]], bucket)
 
 
-def _pair(timeout_s=30.0):
-    """Ranks 0 and 1 of one sync group, in this process (two gloo process groups on a loopback store)."""
+def _group(world, timeout_s=30.0):
+    """Ranks 0..world-1 of one sync group, in this process (gloo process groups on a loopback store)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    groups = [None, None]
+    groups = [None] * world
 
     def join(rank):
-        groups[rank] = SyncGroup("127.0.0.1", store.port, "t/", rank, 2, timeout_s)
+        groups[rank] = SyncGroup("127.0.0.1", store.port, "t/", rank, world, timeout_s)
 
-    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(world)]
     [t.start() for t in threads]
     [t.join() for t in threads]
     return store, groups
 
 
+def _push(groups, senders, version, weights, rows, bucket_bytes, fail=None):
+    """One push of ``weights`` (in their dtype) from ranks 0..senders-1 to the other ranks, each in a thread; sender
+    r holds rows ``rows[name]`` (``TensorSlot.rows``) of each tensor. ``fail(rank, name)`` may raise on a sender.
+    Returns ({rank: sender stats or (version, state dict)}, [(rank, error)])."""
+    entries = [(k, tuple(v.shape), str(v.dtype)[6:], rows.get(k, ())) for k, v in weights.items()]
+    results, errors = {}, []
+
+    def holder(rank):
+        def local(name):
+            if fail:
+                fail(rank, name)
+            first, n = TensorSlot(name, tuple(weights[name].shape), "", 0, 0, rows.get(name, ())).rows_of(rank)
+            return weights[name][first : first + n]
+
+        return local
+
+    def run(rank):
+        try:
+            if rank < senders:
+                results[rank] = send_state(groups[rank], version, entries, holder(rank), senders, bucket_bytes)
+            else:
+                results[rank] = receive_state(groups[rank])
+        except Exception as exc:  # noqa: BLE001 - inspected by the caller
+            errors.append((rank, exc))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(groups))]
+    [t.start() for t in threads]
+    [t.join(timeout=60) for t in threads]
+    assert not any(t.is_alive() for t in threads), (
+        f"members {[r for r, t in enumerate(threads) if t.is_alive()]} hang; {errors}"
+    )
+    return results, errors
+
+
+def test_shard_rows_follow_torch_chunk():
+    for d0, senders in [(7, 3), (2, 3), (9, 3), (8, 2), (1, 4), (5, 1)]:
+        assert list(shard_rows(d0, senders)) == [len(c) for c in torch.arange(d0).chunk(senders)] + [0] * (
+            senders - len(torch.arange(d0).chunk(senders))
+        )
+
+
+def test_segments_of_a_bucket_cover_each_row_once_and_one_holder_gets_the_bucket_itself():
+    entries = [
+        ("a", (7, 5), "bfloat16", shard_rows(7, 3)),
+        ("b", (2,), "float32", shard_rows(2, 3)),
+        ("c", (4,), "float32"),
+    ]
+    (bucket,) = plan_buckets(entries, 1 << 20)
+    covered = {slot.name: [] for slot in bucket}
+    for sender in range(3):
+        pieces, size = segment(bucket, sender)
+        assert all(p.offset % 64 == 0 for p in pieces) and size == (
+            pieces[-1].offset + pieces[-1].nbytes if pieces else 0
+        )
+        for p in pieces:
+            covered[p.slot.name] += range(p.first_row, p.first_row + p.n_rows)
+    assert covered == {"a": list(range(7)), "b": [0, 1], "c": [0, 1, 2, 3]}  # c: plain, sender 0 holds it whole
+    assert [p.n_rows for p in segment(bucket, 2)[0]] == [1]  # a's last row; b has none on rank 2
+    (whole,) = plan_buckets([(k, s, d) for k, s, d, *_ in entries], 1 << 20)
+    pieces, size = segment(whole, 0)
+    assert is_whole(pieces, whole) and size == bucket_size(whole)
+
+
 def test_a_push_arrives_whole_and_a_repeated_layout_is_not_resent():
-    store, (sender, receiver) = _pair()
+    store, groups = _group(2)
     torch.manual_seed(0)
     weights = {"a": torch.randn(300), "b": torch.randn(40, 7).to(torch.bfloat16), "c": torch.randn(2)}
-    entries = [(k, tuple(v.shape), str(v.dtype)[6:]) for k, v in weights.items()]
-    fetched = []
-
-    def fetch(bucket):
-        fetched.append([slot.name for slot in bucket])
-        return pack([weights[slot.name] for slot in bucket], bucket)
-
     for version in (4, 5):
-        got = {}
-        t = threading.Thread(target=lambda: got.update(zip(("version", "sd"), receive_state(receiver))))
-        t.start()
-        stats = send_state(sender, version, entries, fetch, bucket_bytes=1024)
-        t.join()
-        assert got["version"] == version and all(torch.equal(got["sd"][k], v) for k, v in weights.items())
-        assert stats["buckets"] == 2  # a (1,200 B) alone; b (560 B) and c together
-    assert receiver.spec is not None and receiver.spec == sender.spec  # push 5 reused push 4's layout
-    assert fetched == [["a"], ["b", "c"]] * 2
+        results, errors = _push(groups, 1, version, weights, {}, bucket_bytes=1024)
+        assert not errors
+        got_version, got = results[1]
+        assert got_version == version and all(torch.equal(got[k], v) for k, v in weights.items())
+        assert results[0]["buckets"] == 2  # a (1,200 B) alone; b (560 B) and c together
+    assert groups[1].spec is not None and groups[1].spec == groups[0].spec  # push 5 reused push 4's layout
 
 
-def test_a_sender_failing_mid_push_frees_the_receiver_at_once():
-    """A failure on sync rank 0 between buckets must not leave a receiver waiting for the timeout (120 s here):
-    the group is closed, the receiver raises and returns nothing."""
-    store, (sender, receiver) = _pair(timeout_s=120)
-    entries = [("a", (10,), "float32"), ("b", (10,), "float32")]
+def test_three_senders_each_send_their_own_rows_and_two_workers_put_them_together():
+    """Learner ranks 0-2 hold torch.chunk rows of every tensor (uneven: 7 -> 3, 3, 1; 2 -> 1, 1, none), cast to
+    the wire dtype on the way; both workers get every tensor whole, bit for bit, and nothing is gathered."""
+    store, groups = _group(5)
+    torch.manual_seed(1)
+    weights = {"w": torch.randn(7, 5), "b": torch.randn(2), "e": torch.randn(9, 2, 3), "n": torch.randn(4)}
+    rows = {"w": shard_rows(7, 3), "b": shard_rows(2, 3), "e": shard_rows(9, 3)}  # "n": plain, rank 0 holds it
+    wire = {k: v.to(torch.bfloat16) for k, v in weights.items()}
+    results, errors = _push(groups, 3, 9, wire, rows, bucket_bytes=96)
+    assert not errors
+    for worker in (3, 4):
+        version, got = results[worker]
+        assert version == 9 and set(got) == set(weights)
+        assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], wire[k]) for k in weights)
+    assert sum(results[r]["bytes"] for r in range(3)) == sum(v.numel() * 2 for v in wire.values())
 
-    def fetch(bucket):
-        if bucket[0].name == "b":
+
+def test_a_sender_failing_mid_push_frees_every_worker_at_once():
+    """A failure on one sender between buckets must not leave a worker waiting for the timeout (120 s here): the
+    group is closed, each worker raises and returns nothing."""
+    store, groups = _group(4, timeout_s=120)
+    weights = {"a": torch.ones(10), "b": torch.ones(10)}
+
+    def fail(rank, name):
+        if name == "b" and rank == 1:
             raise OSError("disk gone")
-        return pack([torch.ones(10)], bucket)
 
-    errors = []
-
-    def receive():
-        try:
-            receive_state(receiver)
-        except Exception as exc:  # noqa: BLE001 - inspected below
-            errors.append(exc)
-
-    t = threading.Thread(target=receive)
-    t.start()
     t0 = time.perf_counter()
-    with pytest.raises(OSError, match="disk gone"):
-        send_state(sender, 1, entries, fetch, bucket_bytes=40)
-    t.join(timeout=60)
-    assert not t.is_alive() and errors and time.perf_counter() - t0 < 30
+    results, errors = _push(groups, 2, 1, weights, {k: shard_rows(10, 2) for k in weights}, 40, fail)
+    assert time.perf_counter() - t0 < 30
+    failed = dict(errors)
+    assert isinstance(failed.get(1), OSError) and 2 in failed and 3 in failed  # both workers freed, nothing loaded
 
 
-def _gather_rank(rank, world, port, shapes, out_dir):
+def _fsdp_rank(rank, world, port, shapes, out_dir):
+    """An FSDP2-sharded module on ``world`` gloo ranks: what each rank's ``to_local()`` holds."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from rapo_ray.learner import gather_bucket
-
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     full = [torch.randn(*s) for s in shapes]
-    sharded = [distribute_tensor(t, mesh, [Shard(0)]) for t in full]
-    (bucket,) = plan_buckets([(f"t{i}", s, "bfloat16") for i, s in enumerate(shapes)], 1 << 20)
-    packed = gather_bucket(sharded, bucket, rank, world)
-    (plain,) = plan_buckets([("p", shapes[0], "bfloat16")], 1 << 20)
-    packed_plain = gather_bucket([full[0]], plain, rank, world)
-    if rank == 0:
-        got = [*unpack(packed, bucket).values(), unpack(packed_plain, plain)["p"]]
-        torch.save({"got": got, "want": [t.to(torch.bfloat16) for t in [*full, full[0]]]}, f"{out_dir}/gathered.pt")
-    else:
-        assert packed is None and packed_plain is None
+    local = [distribute_tensor(t, mesh, [Shard(0)]).to_local() for t in full]
+    torch.save({"local": local, "full": full}, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
 
 
-def test_gather_bucket_rebuilds_uneven_fsdp_shards_on_rank_0(tmp_path):
-    """Three ranks; dim 0 of 7 (chunks 3, 3, 1), of 2 (1, 1, none) and of 9: one gather, rank 0 gets the bucket
-    with each full tensor (and a plain tensor's bucket as it is), cast to the wire dtype."""
+def test_shard_rows_say_which_rows_each_fsdp_rank_holds(tmp_path):
+    """Three ranks; dim 0 of 7 (chunks 3, 3, 1), of 2 (1, 1, none) and of 9: the rows that ``shard_rows`` assigns
+    to each sender are the rows its FSDP shard holds, so the senders' pieces are each tensor's rows exactly once."""
     from rapo_ray.net import free_port
 
     shapes = [(7, 5), (2,), (9, 2, 3)]
-    tmp.start_processes(_gather_rank, args=(3, free_port(), shapes, str(tmp_path)), nprocs=3, start_method="spawn")
-    blob = torch.load(tmp_path / "gathered.pt")
-    assert len(blob["got"]) == 4
-    assert all(g.dtype == torch.bfloat16 and torch.equal(g, w) for g, w in zip(blob["got"], blob["want"]))
+    tmp.start_processes(_fsdp_rank, args=(3, free_port(), shapes, str(tmp_path)), nprocs=3, start_method="spawn")
+    blobs = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
+    for i, shape in enumerate(shapes):
+        rows = shard_rows(shape[0], 3)
+        for r in range(3):
+            first = sum(rows[:r])
+            assert torch.equal(blobs[r]["local"][i], blobs[0]["full"][i][first : first + rows[r]])

@@ -64,6 +64,20 @@ def _move_weights(learners, step: float) -> None:
     ray.get([w.__ray_call__.remote(shift, step) for w in learners.workers])
 
 
+def _optimizer_step(learners) -> None:
+    """One AdamW step on every rank with a made-up gradient: what an update does to the parameters (the weight
+    sync keeps views of them between pushes, which must follow)."""
+
+    def step(worker):
+        for p in worker.model.parameters():
+            p.grad = torch.full_like(p, 0.5)
+        worker.opt.step()
+        worker.opt.zero_grad()
+        return True
+
+    ray.get([w.__ray_call__.remote(step) for w in learners.workers])
+
+
 def _assert_workers_hold(fleet, learners, version, dtype=torch.float32):
     """Every worker's engine holds the learners' weights bit for bit, as cast to the wire ``dtype``."""
     want = learners.state_dict()
@@ -112,6 +126,11 @@ def test_scale_up_down_and_weight_sync(sync_parts):
     state["version"] = 3
     _assert_workers_hold(fleet, learners, 3)
     assert sync.last["bytes"] > 0 and sync.last["buckets"] > 1
+    before = learners.state_dict()
+    _optimizer_step(learners)
+    sync.push(learners.workers, fleet.handles(), 3)  # (same version number: only the weights are checked here)
+    _assert_workers_hold(fleet, learners, 3)
+    assert any(not torch.equal(before[k], v) for k, v in learners.state_dict().items())
     fleet.scale(3)  # the new worker is brought up to date before it takes work
     assert len(fleet.workers) == 3
     _assert_workers_hold(fleet, learners, 3)
@@ -141,33 +160,32 @@ def _kill(worker):
 
 def test_a_worker_that_dies_outside_a_rollout_is_replaced_at_the_weight_push(sync_parts):
     """Issue #22: a rollout worker killed after its rollout (during the old-logprob pass or the update) used to end
-    the run at the next weight push. Now it is replaced with the current weights, whether the push finds it dead
-    before it starts or meets it dead on the way."""
+    the run at the next weight push. Now it is replaced with the current weights, whether the push meets it dead in
+    the group of the last push or finds it dead before forming a new group. A push to an unchanged group pings no
+    one, and a replacement gets one push, not a bring-up push and then the fleet's."""
     from rapo_ray.trainer import push_weights
 
     learners, fleet, sync, state = sync_parts
+    pings = []
+    check = fleet.replace_dead
+    fleet.replace_dead = lambda *args, **kw: (pings.append(args), check(*args, **kw))[1]
 
-    def push(version: int) -> int:
+    def push(version: int) -> tuple[int, int]:
+        """(workers replaced, groups formed) by one push_weights."""
         _move_weights(learners, 0.01)
         state["version"] = version  # what the trainer's version is once the learners updated
+        generation = sync.generation
         replaced = push_weights(sync, fleet, learners.workers, version)
         _assert_workers_hold(fleet, learners, version)
-        return replaced
+        return replaced, sync.generation - generation
 
-    assert push(1) == 0
-    _kill(fleet.handles()[0])  # died while idle, after its rollout: found before the push
-    assert push(2) == 1 and len(fleet.workers) == 2
-    check = fleet.replace_dead
-
-    def check_then_kill(during):  # dies between the liveness check and the push: the push meets it
-        replaced = check(during)
-        if fleet.replace_dead is check_then_kill:
-            fleet.replace_dead = check
-            _kill(fleet.handles()[1])
-        return replaced
-
-    fleet.replace_dead = check_then_kill
-    assert push(3) == 1 and len(fleet.workers) == 2
+    assert push(1) == (0, 1) and len(pings) == 1  # the first push forms the group: the fleet is checked first
+    assert push(2) == (0, 0) and len(pings) == 1  # same group: no ping
+    _kill(fleet.handles()[0])  # died while idle, after its rollout: the push meets it, then replaces and retries
+    assert push(3) == (1, 1) and len(fleet.workers) == 2 and len(pings) == 2
+    sync.reset()  # a new group is due (as after a failed push): a dead worker is found before the group forms
+    _kill(fleet.handles()[1])
+    assert push(4) == (1, 1) and len(fleet.workers) == 2 and len(pings) == 3
     batch, _ = fleet.run_step(_groups(2), 2, 0, seed=0)
     assert len(batch) == 4
     assert sum(e.kind == "replaced" for e in fleet.events) == 2
@@ -175,7 +193,7 @@ def test_a_worker_that_dies_outside_a_rollout_is_replaced_at_the_weight_push(syn
 
 def test_a_worker_killed_during_the_broadcast_neither_hangs_the_push_nor_loads_a_mixed_version(sync_parts):
     """Issue #19: a member dying mid-push aborts the group: the survivors load nothing of the failed push (they keep
-    the previous version whole), the learner ranks are not left in their gather, and the retry brings everyone to
+    the previous version whole), no learner rank is left waiting, and the retry brings everyone to
     the new version."""
     import threading
     import time
@@ -193,10 +211,10 @@ def test_a_worker_killed_during_the_broadcast_neither_hangs_the_push_nor_loads_a
     def slow_sender(worker):  # 0.2 s per bucket on learner rank 0, so the kill lands mid-push
         import time
 
-        import rapo_ray.learner as learner_module
+        import rapo_ray.sync as sync_module
 
-        fast = learner_module.gather_bucket
-        learner_module.gather_bucket = lambda *args: (time.sleep(0.2), fast(*args))[1]
+        fast = sync_module.pack_segment
+        sync_module.pack_segment = lambda *args: (time.sleep(0.2), fast(*args))[1]
         return True
 
     ray.get(learners.workers[0].__ray_call__.remote(slow_sender))
