@@ -15,6 +15,7 @@ from rapo_ray.sync import (
     TensorSlot,
     bucket_size,
     is_whole,
+    messages,
     pack,
     plan_buckets,
     receive_state,
@@ -68,11 +69,11 @@ def _group(world, timeout_s=30.0):
     return store, groups
 
 
-def _push(groups, senders, version, weights, rows, bucket_bytes, fail=None):
+def _push(groups, senders, version, weights, rows, bucket_bytes, fail=None, direct_bytes=1 << 20, wire_dtype=None):
     """One push of ``weights`` (in their dtype) from ranks 0..senders-1 to the other ranks, each in a thread; sender
     r holds rows ``rows[name]`` (``TensorSlot.rows``) of each tensor. ``fail(rank, name)`` may raise on a sender.
     Returns ({rank: sender stats or (version, state dict)}, [(rank, error)])."""
-    entries = [(k, tuple(v.shape), str(v.dtype)[6:], rows.get(k, ())) for k, v in weights.items()]
+    entries = [(k, tuple(v.shape), wire_dtype or str(v.dtype)[6:], rows.get(k, ())) for k, v in weights.items()]
     results, errors = {}, []
 
     def holder(rank):
@@ -87,7 +88,9 @@ def _push(groups, senders, version, weights, rows, bucket_bytes, fail=None):
     def run(rank):
         try:
             if rank < senders:
-                results[rank] = send_state(groups[rank], version, entries, holder(rank), senders, bucket_bytes)
+                results[rank] = send_state(
+                    groups[rank], version, entries, holder(rank), senders, bucket_bytes, direct_bytes
+                )
             else:
                 results[rank] = receive_state(groups[rank])
         except Exception as exc:  # noqa: BLE001 - inspected by the caller
@@ -144,21 +147,40 @@ def test_a_push_arrives_whole_and_a_repeated_layout_is_not_resent():
     assert groups[1].spec is not None and groups[1].spec == groups[0].spec  # push 5 reused push 4's layout
 
 
-def test_three_senders_each_send_their_own_rows_and_two_workers_put_them_together():
-    """Learner ranks 0-2 hold torch.chunk rows of every tensor (uneven: 7 -> 3, 3, 1; 2 -> 1, 1, none), cast to
-    the wire dtype on the way; both workers get every tensor whole, bit for bit, and nothing is gathered."""
+@pytest.mark.parametrize("direct_bytes, cast", [(1 << 20, False), (8, False), (8, True)])
+def test_three_senders_each_send_their_own_rows_and_two_workers_put_them_together(direct_bytes, cast):
+    """Learner ranks 0-2 hold torch.chunk rows of every tensor (uneven: 7 -> 3, 3, 1; 2 -> 1, 1, none); both
+    workers get every tensor whole, bit for bit in the wire dtype, and nothing is gathered. direct_bytes 8: the
+    pieces of 8 bytes or more travel alone, straight into place (as they are, or cast to the wire dtype on the
+    way), the smaller ones together."""
     store, groups = _group(5)
     torch.manual_seed(1)
     weights = {"w": torch.randn(7, 5), "b": torch.randn(2), "e": torch.randn(9, 2, 3), "n": torch.randn(4)}
     rows = {"w": shard_rows(7, 3), "b": shard_rows(2, 3), "e": shard_rows(9, 3)}  # "n": plain, rank 0 holds it
     wire = {k: v.to(torch.bfloat16) for k, v in weights.items()}
-    results, errors = _push(groups, 3, 9, wire, rows, bucket_bytes=96)
+    results, errors = _push(
+        groups, 3, 9, weights if cast else wire, rows, 96, direct_bytes=direct_bytes, wire_dtype="bfloat16"
+    )
     assert not errors
     for worker in (3, 4):
         version, got = results[worker]
         assert version == 9 and set(got) == set(weights)
         assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], wire[k]) for k in weights)
-    assert sum(results[r]["bytes"] for r in range(3)) == sum(v.numel() * 2 for v in wire.values())
+    assert sum(results[r]["bytes"] for r in range(3)) >= sum(v.numel() * 2 for v in wire.values())
+
+
+def test_large_pieces_travel_alone_and_small_ones_together():
+    entries = [("w", (7, 5), "bfloat16", shard_rows(7, 3)), ("b", (2,), "bfloat16", shard_rows(2, 3))]
+    (bucket,) = plan_buckets(entries, 1 << 20)
+    # rank 0: w rows 0-2 (30 B), b row 0 (2 B); rank 2: w row 6 (10 B), no b
+    assert [[(p.slot.name, p.first_row, p.offset) for p in m] for m in messages(bucket, 0, 16)] == [
+        [("b", 0, 0)],
+        [("w", 0, 0)],
+    ]
+    assert [[p.slot.name for p in m] for m in messages(bucket, 0, 1 << 20)] == [["w", "b"]]
+    assert [[(p.slot.name, p.first_row) for p in m] for m in messages(bucket, 2, 16)] == [[("w", 6)]]
+    (whole,) = plan_buckets([(k, s, d) for k, s, d, _ in entries], 1 << 20)  # one holder: the bucket as it is
+    assert messages(whole, 0, 16) == [segment(whole, 0)[0]] and messages(whole, 1, 16) == []
 
 
 def test_a_sender_failing_mid_push_frees_every_worker_at_once():
