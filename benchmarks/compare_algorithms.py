@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -94,6 +95,7 @@ def run_one(method: str, seed: int, args, out: Path) -> dict | None:
         "per_step": {k: statistics.median(m[k] for m in steps) for k in STEP_KEYS if steps and k in steps[0]},
         "rewards": {k: statistics.mean(m[k] for m in steps) for k in REWARD_KEYS if steps and k in steps[0]},
         "slot_success": slot_success(run_dir),
+        "retrieved_wins": retrieved_wins(run_dir),
         # problem id -> solved after training (greedy, held-out): the paired test between methods
         "after_problems": json.loads(after.read_text()).get("problems", {})
         if (after := run_dir / "eval_after.json").is_file()
@@ -117,6 +119,55 @@ def slot_success(run_dir: Path) -> dict:
             c = counts.setdefault(f"{r['problem_id'].split('-')[0]} {kind}", [0, 0])
             c[0], c[1] = c[0] + int(r["correct"]), c[1] + 1
     return {k: c / n for k, (c, n) in sorted(counts.items())}
+
+
+def retrieved_wins(run_dir: Path) -> dict:
+    """What the rewarded training rollouts with a retrieved step did themselves, per search family (multihop,
+    alias: a problem's expert path is its list of searches). ``answer_in_retrieved``: the answer is an entity
+    that a retrieved block showed; ``own_wrong_search``: the rollout made a search of its own that is off the
+    expert's path, so the reward credited a wrong step (the answer-leak trap of TASK_DESIGN_NOTES)."""
+    import pyarrow.parquet as pq
+
+    from rapo_ray.config import load_config
+    from rapo_ray.envs import tasks as bundled
+    from rapo_ray.model import load_tokenizer
+    from rapo_ray.sft import warm_start_dir
+
+    cfg = load_config(run_dir / "config.yaml", [])
+    expert = {
+        p.id: {call for _, _, call, _ in p.expert_steps}
+        for fam in cfg.tasks.families
+        if bundled.TASK_FAMILIES[fam].tool == "search"
+        for p in bundled.generate(fam, "train", cfg.tasks.train_size, cfg.tasks.seed)
+    }
+    if not expert:
+        return {}
+    checkpoints = sorted((run_dir / "checkpoints").glob("step-*"))
+    tok = load_tokenizer(checkpoints[-1] if checkpoints else (cfg.model.path or warm_start_dir(cfg)))
+    cols = ["problem_id", "response_ids", "segments", "correct", "num_retrievals", "answer"]
+    counts: dict[str, list[int]] = {}
+    for f in sorted((run_dir / "trajectories").glob("step-*.parquet")):
+        for r in pq.read_table(f, columns=cols).to_pylist():
+            if not (r["correct"] and r["num_retrievals"] and r["problem_id"] in expert):
+                continue
+            text = {"generated": "", "retrieved": ""}
+            for seg in r["segments"]:
+                if seg["kind"] in text:
+                    text[seg["kind"]] += tok.decode(r["response_ids"][seg["start"] : seg["end"]])
+            shown, off_path = leak_flags(text["generated"], text["retrieved"], r["answer"], expert[r["problem_id"]])
+            c = counts.setdefault(r["problem_id"].split("-")[0], [0, 0, 0])
+            c[0], c[1], c[2] = c[0] + 1, c[1] + int(shown), c[2] + int(off_path)
+    return {
+        fam: {"rewarded": n, "answer_in_retrieved": a / n, "own_wrong_search": w / n}
+        for fam, (n, a, w) in sorted(counts.items())
+    }
+
+
+def leak_flags(generated: str, retrieved: str, answer: str, expert_calls: set[str]) -> tuple[bool, bool]:
+    """For one rollout: (its answer is text that a retrieved block showed, one of its own searches is not among
+    the expert's ``expert_calls``). ``generated`` / ``retrieved``: the rollout's own and retrieved text."""
+    own = re.findall(r"<search>(.*?)</search>", generated, flags=re.S)
+    return bool(answer) and answer in retrieved, any(q.strip() not in expert_calls for q in own)
 
 
 def paired_vs(results: list[dict], method: str, baseline: str, family: str) -> dict | None:
@@ -204,6 +255,21 @@ def tables(results: list[dict]) -> str:
                     for k in kinds
                 ]
                 lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    wins = [(r["method"], fam, w) for r in results for fam, w in r.get("retrieved_wins", {}).items()]
+    if wins:
+        lines += [
+            "",
+            "| method | family | rewarded rollouts with a retrieved step | answer shown by a retrieved block | "
+            "a search of its own off the expert's path |",
+            "|---|---|---|---|---|",
+        ]
+        for method in METHODS:
+            for fam in sorted({f for m, f, _ in wins if m == method}):
+                ws = [w for m, f, w in wins if m == method and f == fam]
+                lines.append(
+                    f"| {method} | {fam} | {sum(w['rewarded'] for w in ws)} | "
+                    f"{_ms([w['answer_in_retrieved'] for w in ws])} | {_ms([w['own_wrong_search'] for w in ws])} |"
+                )
     return "\n".join(lines)
 
 

@@ -215,7 +215,8 @@ class RetrievalService:
     """RAPO's step-trace buffer in Milvus (embedded milvus-lite unless ``retrieval.milvus_uri``), built once,
     behind the Serve app ``retrieval``. ``app`` is None for algorithms without hybrid slots."""
 
-    def __init__(self, cfg: Config, model_dir: Path, log=print):
+    def __init__(self, cfg: Config, model_dir: Path, questions: list, log=print):
+        """``questions``: the RL questions whose off-policy steps fill the buffer (``rl_task_pool``'s)."""
         self.app: str | None = None
         self._server = None
         self._serve_started = False
@@ -231,10 +232,7 @@ class RetrievalService:
         if not uri:  # embedded default: milvus-lite as a managed child process, shared by URI
             self._server = MilvusLiteServer(Path(cfg.run.artifacts_dir) / "milvus")
             uri = self._server.uri
-        pool, _ = rl_task_pool(cfg)
-        report = build_buffer(
-            cfg, str(model_dir), uri, [t for ts in pool.values() for t in ts], manifest_path(cfg), log=log
-        )
+        report = build_buffer(cfg, str(model_dir), uri, questions, manifest_path(cfg), log=log)
         log(report.table())
         self._serve_started = not _serve_running()  # a Serve someone else started (a cluster's, a test's) stays up
         if self._serve_started:
@@ -292,8 +290,9 @@ def run(cfg: Config, log=print) -> dict:
         # 1. starting policy, 2. RAPO's buffer behind Serve, 3. learners + fleet + weight sync
         model_dir = starting_policy(cfg, log)
         log(f"starting policy: {model_dir}")
-        retrieval = RetrievalService(cfg, model_dir, log)
-        trainer = Trainer(cfg, model_dir, run_dir.checkpoints, retrieval.app)
+        tasks = rl_task_pool(cfg)  # (RL questions per family, held-out tasks): the buffer's and the trainer's
+        retrieval = RetrievalService(cfg, model_dir, [t for ts in tasks[0].values() for t in ts], log)
+        trainer = Trainer(cfg, model_dir, run_dir.checkpoints, retrieval.app, tasks)
         before_path = run_dir.path / "eval_before.json"
         if resume is not None:
             trainer.load(resume)
@@ -332,7 +331,9 @@ def run(cfg: Config, log=print) -> dict:
                         f"{exc}; gave up after {cfg.trainer.max_failures} rebuilds (trainer.max_failures). The last "
                         f"checkpoint is {latest}; continue with checkpoint.resume={run_dir.path}"
                     ) from None
-                trainer = Trainer(cfg, model_dir, run_dir.checkpoints, retrieval.app)  # waits for resources to return
+                trainer = Trainer(
+                    cfg, model_dir, run_dir.checkpoints, retrieval.app, tasks
+                )  # waits for resources to return
                 if latest is not None:
                     trainer.load(latest)
                 else:

@@ -114,10 +114,10 @@ class Piece:
     nbytes: int
 
 
-def segment(bucket: list[TensorSlot], sender: int) -> tuple[list[Piece], int]:
+def segment(bucket: list[TensorSlot], sender: int) -> list[Piece]:
     """The rows of ``bucket`` that ``sender`` holds, laid out in tensor order with 64-byte aligned offsets (as
-    ``plan_buckets`` lays out whole tensors), and the segment's size in bytes. A sender that holds every row of the
-    bucket has the bucket's own layout: its segment is the bucket, received in place."""
+    ``plan_buckets`` lays out whole tensors). A sender that holds every row of the bucket has the bucket's own
+    layout: its segment is the bucket, received in place."""
     pieces, used = [], 0
     for slot in bucket:
         first, n = slot.rows_of(sender)
@@ -126,7 +126,7 @@ def segment(bucket: list[TensorSlot], sender: int) -> tuple[list[Piece], int]:
         start = _aligned(used)
         pieces.append(Piece(slot, first, n, start, n * slot.row_bytes))
         used = start + n * slot.row_bytes
-    return pieces, (pieces[-1].offset + pieces[-1].nbytes if pieces else 0)
+    return pieces
 
 
 def is_whole(pieces: list[Piece], bucket: list[TensorSlot]) -> bool:
@@ -145,7 +145,7 @@ def messages(bucket: list[TensorSlot], sender: int, direct_bytes: int) -> list[l
     Otherwise pieces under ``direct_bytes`` go together in one message (the worker copies them into place), and
     each larger piece is a message of its own, received straight into its place in the bucket: measured at the
     0.5B shape, copying every row from a staging buffer cost 0.36-0.46 s of a 1.8-2.3 s push."""
-    pieces, _ = segment(bucket, sender)
+    pieces = segment(bucket, sender)
     if not pieces:
         return []
     if is_whole(pieces, bucket):
@@ -197,16 +197,6 @@ def pack_message(buffers, name: str, pieces: list[Piece], local) -> torch.Tensor
         ):
             return rows.detach().reshape(-1).view(torch.uint8)
     return pack_segment(buffers.get(name, message_size(pieces)), pieces, local)
-
-
-def pack(tensors: list[torch.Tensor], bucket: list[TensorSlot]) -> torch.Tensor:
-    """[bucket_size] uint8: ``tensors`` (already in their slot's dtype and shape) copied to their offsets."""
-    out = torch.empty(bucket_size(bucket), dtype=torch.uint8)
-    for t, slot in zip(tensors, bucket, strict=True):
-        if str(t.dtype).replace("torch.", "") != slot.dtype or tuple(t.shape) != slot.shape:
-            raise ValueError(f"{slot.name}: got {t.dtype} {tuple(t.shape)}, the plan says {slot.dtype} {slot.shape}")
-        out[slot.offset : slot.offset + slot.nbytes].copy_(t.detach().reshape(-1).view(torch.uint8))
-    return out
 
 
 def unpack(buf: torch.Tensor, bucket: list[TensorSlot]) -> dict[str, torch.Tensor]:

@@ -48,12 +48,20 @@ class EvalResult:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, model_dir: Path, checkpoints_dir: Path, retrieval_app: str | None):
+    def __init__(
+        self,
+        cfg: Config,
+        model_dir: Path,
+        checkpoints_dir: Path,
+        retrieval_app: str | None,
+        tasks: tuple[dict, dict] | None = None,
+    ):
+        """``tasks``: ``rl_task_pool(cfg)`` when the caller has it already (computed here otherwise)."""
         self.cfg, self.model_dir, self.checkpoints_dir = cfg, Path(model_dir), Path(checkpoints_dir)
         self.algorithm = get_algorithm(cfg.algo.name)
         self.retrieval_app = retrieval_app
         self.tok = load_tokenizer(model_dir)
-        self.train_tasks, self.test_tasks = rl_task_pool(cfg)
+        self.train_tasks, self.test_tasks = tasks if tasks is not None else rl_task_pool(cfg)
         self.step_idx, self.version = 0, 0
         self.run_metrics = RunMetrics(cfg.run.metrics_window)  # moving means and lifetime totals across steps
         self.rng = random.Random(cfg.trainer.seed)

@@ -119,9 +119,7 @@ def test_a_killed_driver_takes_its_local_ray_with_it(tmp_path):
     ]
 
 
-def test_compare_pairs_each_held_out_problem_with_itself_under_the_same_seed():
-    """benchmarks/compare_algorithms.py's method-vs-method sign test, by hand: seeds 0 and 1 ran both methods
-    (seed 2 only one, so it is left out); rapo solved 2 alias problems grpo did not and none the other way."""
+def _compare_module():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
@@ -129,6 +127,13 @@ def test_compare_pairs_each_held_out_problem_with_itself_under_the_same_seed():
     )
     compare = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(compare)
+    return compare
+
+
+def test_compare_pairs_each_held_out_problem_with_itself_under_the_same_seed():
+    """benchmarks/compare_algorithms.py's method-vs-method sign test, by hand: seeds 0 and 1 ran both methods
+    (seed 2 only one, so it is left out); rapo solved 2 alias problems grpo did not and none the other way."""
+    compare = _compare_module()
     results = [
         {"method": "grpo", "seed": 0, "after_problems": {"alias-a": False, "alias-b": True, "multihop-a": True}},
         {"method": "rapo", "seed": 0, "after_problems": {"alias-a": True, "alias-b": True, "multihop-a": False}},
@@ -142,3 +147,20 @@ def test_compare_pairs_each_held_out_problem_with_itself_under_the_same_seed():
     multihop = compare.paired_vs(results, "rapo", "grpo", "multihop")
     assert (multihop["n"], multihop["fixed"], multihop["broken"]) == (1, 0, 1)
     assert compare.paired_vs(results, "arpo", "grpo", "alias") is None
+
+
+def test_compare_flags_a_reward_earned_with_a_retrieved_answer_after_wrong_own_searches():
+    """compare_algorithms.leak_flags on a rollout of the kind the alias comparison found (session 16): the policy
+    searched the wrong relation twice, a retrieved block showed the expert's last hop, and it answered from it."""
+    compare = _compare_module()
+    expert = {"neighbor of Dohimi", "sibling of Tupaka", "rival of Pamisi"}
+    leaked = (
+        "<think>find the partner of Dohimi</think><search>partner of Dohimi</search><result>...</result>"
+        "<think>find the partner of Hihive</think><search> partner of Hihive </search><result>...</result>"
+        "<think>done</think><answer>\\boxed{Gavefu}</answer>"
+    )
+    shown = "<retrieve><search>rival of Pamisi</search><result>The rival of Pamisi is Gavefu.</result></retrieve>"
+    assert compare.leak_flags(leaked, shown, "Gavefu", expert) == (True, True)
+    own = "<search>neighbor of Dohimi</search><result>...</result><search>sibling of Tupaka</search>"
+    assert compare.leak_flags(own, shown, "Fuhimi", expert) == (False, False)  # on the path, answer not shown
+    assert compare.leak_flags(own, shown, "", expert) == (False, False)  # no answer: nothing shown

@@ -15,8 +15,9 @@ from rapo_ray.sync import (
     TensorSlot,
     bucket_size,
     is_whole,
+    message_size,
     messages,
-    pack,
+    pack_segment,
     plan_buckets,
     receive_state,
     segment,
@@ -47,12 +48,14 @@ def test_pack_unpack_round_trip_is_bit_exact_in_every_dtype():
         "i": torch.arange(6).view(3, 2),
     }
     (bucket,) = plan_buckets([(k, tuple(v.shape), str(v.dtype)[6:]) for k, v in tensors.items()], 1 << 20)
-    buf = pack(list(tensors.values()), bucket)
-    assert buf.dtype == torch.uint8 and buf.numel() == bucket[-1].offset + bucket[-1].nbytes
+    pieces = segment(bucket, 0)  # one sender holding every row: its segment is the bucket's own layout
+    assert is_whole(pieces, bucket) and message_size(pieces) == bucket_size(bucket)
+    buf = pack_segment(torch.zeros(bucket_size(bucket), dtype=torch.uint8), pieces, tensors.__getitem__)
     back = unpack(buf.clone(), bucket)
     assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in tensors.items())
-    with pytest.raises(ValueError, match="w: got torch.float64"):
-        pack([tensors["w"].double(), *list(tensors.values())[1:]], bucket)
+    # a sender whose tensor has another shape than the plan is refused, naming the tensor
+    with pytest.raises(ValueError, match=r"w: this sender holds \(5, 4\), the plan says \(5, 3\)"):
+        pack_segment(buf, pieces, {**tensors, "w": torch.randn(5, 4)}.__getitem__)
 
 
 def _group(world, timeout_s=30.0):
@@ -121,17 +124,15 @@ def test_segments_of_a_bucket_cover_each_row_once_and_one_holder_gets_the_bucket
     (bucket,) = plan_buckets(entries, 1 << 20)
     covered = {slot.name: [] for slot in bucket}
     for sender in range(3):
-        pieces, size = segment(bucket, sender)
-        assert all(p.offset % 64 == 0 for p in pieces) and size == (
-            pieces[-1].offset + pieces[-1].nbytes if pieces else 0
-        )
+        pieces = segment(bucket, sender)
+        assert all(p.offset % 64 == 0 for p in pieces)
         for p in pieces:
             covered[p.slot.name] += range(p.first_row, p.first_row + p.n_rows)
     assert covered == {"a": list(range(7)), "b": [0, 1], "c": [0, 1, 2, 3]}  # c: plain, sender 0 holds it whole
-    assert [p.n_rows for p in segment(bucket, 2)[0]] == [1]  # a's last row; b has none on rank 2
+    assert [p.n_rows for p in segment(bucket, 2)] == [1]  # a's last row; b has none on rank 2
     (whole,) = plan_buckets([(k, s, d) for k, s, d, *_ in entries], 1 << 20)
-    pieces, size = segment(whole, 0)
-    assert is_whole(pieces, whole) and size == bucket_size(whole)
+    pieces = segment(whole, 0)
+    assert is_whole(pieces, whole) and message_size(pieces) == bucket_size(whole)
 
 
 def test_a_push_arrives_whole_and_a_repeated_layout_is_not_resent():
@@ -180,7 +181,7 @@ def test_large_pieces_travel_alone_and_small_ones_together():
     assert [[p.slot.name for p in m] for m in messages(bucket, 0, 1 << 20)] == [["w", "b"]]
     assert [[(p.slot.name, p.first_row) for p in m] for m in messages(bucket, 2, 16)] == [[("w", 6)]]
     (whole,) = plan_buckets([(k, s, d) for k, s, d, _ in entries], 1 << 20)  # one holder: the bucket as it is
-    assert messages(whole, 0, 16) == [segment(whole, 0)[0]] and messages(whole, 1, 16) == []
+    assert messages(whole, 0, 16) == [segment(whole, 0)] and messages(whole, 1, 16) == []
 
 
 def test_a_sender_failing_mid_push_frees_every_worker_at_once():
