@@ -296,9 +296,13 @@ def run_job(name: str, overrides: list[str], plan: list[dict], work: Path, log) 
             break
         log(f"  {name}: driver killed; resuming")
     wall = time.time() - t0
-    time.sleep(5.0)  # the reaper's and the actors' own exit
     marks = [str(work), str(ray_tmp), *(o.split("=", 1)[1] for o in overrides if o.startswith("run.artifacts_dir="))]
-    left = {p: c for p, c in _processes().items() if _started_by_the_job(p, c, before, marks)}
+    deadline = time.time() + 5.0  # the reaper's and the actors' own exit
+    while True:
+        left = {p: c for p, c in _processes().items() if _started_by_the_job(p, c, before, marks)}
+        if not left or time.time() > deadline:
+            break
+        time.sleep(0.25)
     _stop(left)
     shutil.rmtree(ray_tmp, ignore_errors=True)
     return {

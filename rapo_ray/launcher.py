@@ -213,7 +213,11 @@ def make_run_dir(cfg: Config, create: bool = True) -> RunDir:
 
 class RetrievalService:
     """RAPO's step-trace buffer in Milvus (embedded milvus-lite unless ``retrieval.milvus_uri``), built once,
-    behind the Serve app ``retrieval``. ``app`` is None for algorithms without hybrid slots."""
+    behind the Serve app ``retrieval``. ``app`` is None for algorithms without hybrid slots.
+
+    The constructor returns once the app is deployed, not once its replicas are up: the caller starts the
+    learners and the fleet meanwhile (the replica's start is mostly one core's imports and embedder load, ~20 s
+    on a 2-core box) and calls ``wait_ready`` before the first rollout."""
 
     def __init__(self, cfg: Config, model_dir: Path, questions: list, log=print):
         """``questions``: the RL questions whose off-policy steps fill the buffer (``rl_task_pool``'s)."""
@@ -239,7 +243,24 @@ class RetrievalService:
             serve.start(http_options={"host": "127.0.0.1", "port": free_port()}, logging_config=SERVE_LOGGING)
         logging.getLogger("ray.serve").setLevel(SERVE_LOGGING["log_level"])  # serve.start sets the driver's to INFO
         self.app = "retrieval"
-        serve.run(build_app(cfg.retrieval, uri), name=self.app, route_prefix="/retrieve", logging_config=SERVE_LOGGING)
+        target = serve.RunTarget(build_app(cfg.retrieval, uri), self.app, "/retrieve", SERVE_LOGGING)
+        # the deployment exists when this returns (rollout workers can take handles to it); its replicas start
+        serve.run_many([target], wait_for_applications_running=False)
+
+    def wait_ready(self, poll_s: float = 0.2) -> None:
+        """Block until the app's replicas serve (Serve's RUNNING); a failed deploy raises with Serve's reason."""
+        from ray import serve
+        from ray.serve.schema import ApplicationStatus
+
+        while self.app is not None:
+            app = serve.status().applications.get(self.app)
+            if app is None:
+                raise RuntimeError(f"the Serve app {self.app!r} disappeared while its replicas were starting")
+            if app.status == ApplicationStatus.RUNNING:
+                return
+            if app.status == ApplicationStatus.DEPLOY_FAILED:
+                raise RuntimeError(f"the Serve app {self.app!r} failed to deploy: {app.message}")
+            time.sleep(poll_s)
 
     def close(self) -> None:
         from ray import serve
@@ -292,7 +313,8 @@ def run(cfg: Config, log=print) -> dict:
         log(f"starting policy: {model_dir}")
         tasks = rl_task_pool(cfg)  # (RL questions per family, held-out tasks): the buffer's and the trainer's
         retrieval = RetrievalService(cfg, model_dir, [t for ts in tasks[0].values() for t in ts], log)
-        trainer = Trainer(cfg, model_dir, run_dir.checkpoints, retrieval.app, tasks)
+        trainer = Trainer(cfg, model_dir, run_dir.checkpoints, retrieval.app, tasks)  # while the replica starts
+        retrieval.wait_ready()
         before_path = run_dir.path / "eval_before.json"
         if resume is not None:
             trainer.load(resume)

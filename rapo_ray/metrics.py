@@ -1,37 +1,45 @@
 """Metric reduction on RLlib's ``MetricsLogger``: what each actor (rollout worker, learner rank) reports for one
 call, merged on the driver; and the run's view across steps (moving means, lifetime counters, throughput).
 
-RLlib's logger fits here because it is only a reduction library: it ships picklable per-actor stats, merges
-them by each key's own rule, keeps windows, and its state is plain JSON (saved in the trainer's checkpoint).
+RLlib's logger fits here because it is only a reduction library: it merges stats by each key's own rule, keeps
+windows, and its state is plain JSON (saved in the trainer's checkpoint). Only the driver imports it: actors send
+plain ``{key: (value, rule)}`` dicts, because importing RLlib costs every actor process 1-2 s of CPU at start.
 """
 
 from __future__ import annotations
 
-from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
-
 REDUCTIONS = ("sum", "mean", "max", "min")
 
 
-def actor_stats(values: dict[str, float], reduce: dict[str, str] | None = None) -> dict:
-    """One actor's numbers for one call, as RLlib stats to send to the driver.
+def actor_stats(values: dict[str, float], reduce: dict[str, str] | None = None) -> dict[str, tuple[float, str]]:
+    """One actor's numbers for one call, to send to the driver: ``{key: (value, rule)}``.
 
     ``reduce[key]`` says how ``merge_actor_stats`` combines the key across actors: ``sum`` (the default: times,
     counts), ``mean`` (each actor weighs the same), ``max`` or ``min``."""
     reduce = reduce or {}
-    logger = MetricsLogger()
+    out = {}
     for key, value in values.items():
         how = reduce.get(key, "sum")
         if how not in REDUCTIONS:
             raise ValueError(f"actor_stats: reduce[{key!r}]={how!r} is not one of {REDUCTIONS}")
-        logger.log_value(key, float(value), reduce=how)
-    return logger.reduce()
+        out[key] = (float(value), how)
+    return out
 
 
-def merge_actor_stats(parts: list[dict]) -> dict[str, float]:
-    """Merge ``actor_stats`` results from several actors (or several calls of one) into one flat dict."""
+def merge_actor_stats(parts: list[dict[str, tuple[float, str]]]) -> dict[str, float]:
+    """Merge ``actor_stats`` results from several actors (or several calls of one) into one flat dict: each
+    part becomes one actor's reduced RLlib stats, and the root logger aggregates them by each key's rule."""
+    from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
+
     root = MetricsLogger(root=True)
-    if parts:
-        root.aggregate(parts)
+    reduced = []
+    for part in parts:
+        actor = MetricsLogger()
+        for key, (value, how) in part.items():
+            actor.log_value(key, value, reduce=how)
+        reduced.append(actor.reduce())
+    if reduced:
+        root.aggregate(reduced)
     return {key: float(value) for key, value in root.peek().items()}
 
 
@@ -52,6 +60,8 @@ class RunMetrics:
     def __init__(self, window: int):
         if window < 1:
             raise ValueError(f"RunMetrics: window must be >= 1, got {window}")
+        from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
+
         self.window = window
         self.logger = MetricsLogger(root=True)
         self._create_totals()

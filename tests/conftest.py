@@ -36,6 +36,13 @@ def tiny_cfg(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_warm_artifacts(tmp_path_factory):
+    """The artifacts folder of every run on ``TINY_WARM_OVERRIDES`` (the trainer tests' and the chaos job's): the
+    tiny warm start and its step-trace buffer are built once in the session (~35 s) and then found cached."""
+    return tmp_path_factory.mktemp("warm")
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tiny_cfg):
     from rapo_ray.model import ensure_bundled_model
 

@@ -12,10 +12,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_quick_chaos_run_survives_every_fault_and_replays_exactly(tmp_path):
+def test_quick_chaos_run_survives_every_fault_and_replays_exactly(tmp_path, tiny_warm_artifacts):
     out = tmp_path / "chaos.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "chaos.py"), "--quick", "--work", str(tmp_path), "--out", str(out)]
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "chaos.py"), "--quick", "--work", str(tmp_path), "--out", str(out)],
+        [*cmd, "--artifacts", str(tiny_warm_artifacts)],  # the trainer tests' warm start and buffer
         capture_output=True,
         text=True,
         timeout=900,

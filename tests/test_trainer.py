@@ -395,10 +395,10 @@ def test_impossible_resources_fail_fast(ray_session, fleet_cfg):
 
 
 @pytest.fixture(scope="module")
-def warm_cfg(tmp_path_factory):
+def warm_cfg(tiny_warm_artifacts):
     """A tiny warm-started policy: after a short warm start its outputs are partly format-valid, so
     rewards (-1 / 0 / 1) differ inside groups and updates are non-trivial."""
-    art = tmp_path_factory.mktemp("warm")
+    art = tiny_warm_artifacts
     return tiny_config(art, *TINY_WARM_OVERRIDES, f"run.output_dir={art / 'runs'}")
 
 
@@ -421,9 +421,11 @@ def _final_weights(summary):
     return load_model(summary["checkpoint"]).state_dict()
 
 
-def test_end_to_end_rapo_and_resume_is_exact(ray_session, warm_cfg):
+def test_end_to_end_rapo_and_resume(ray_session, warm_cfg):
     """The whole topology (warm start, Milvus buffer, Serve retrieval, FSDP learners, fleet, collective
-    sync, checkpoints); then 2 straight GRPO steps equal 1 step + resume + 1 step within 1e-6."""
+    sync, checkpoints); then 2 straight GRPO steps equal 1 step + resume + 1 step with the learners fed through
+    Ray Data's streaming_split, within 1e-5. (Exact replay across a resume, trajectory by trajectory, is the
+    chaos test's: tests/test_chaos.py.)"""
     from dataclasses import replace
 
     from rapo_ray.launcher import run
@@ -463,11 +465,15 @@ def test_end_to_end_rapo_and_resume_is_exact(ray_session, warm_cfg):
     # prompts sometimes gave every group one constant reward, i.e. zero advantages and no update to compare
     base = replace(cfg, algo=replace(cfg.algo, name="grpo"), trainer=replace(cfg.trainer, prompts_per_step=4))
     straight = run(replace(base, run=replace(base.run, name="straight")), log=lambda *_: None)
-    # the resumed run also logs to MLflow (sqlite in the run folder): one MLflow run across the resume
+    # the resumed run feeds its learners through Ray Data's streaming_split (rows reach the ranks dynamically: the
+    # same update up to the order in which the ranks sum their rows), and logs to MLflow (sqlite in the run
+    # folder): one MLflow run across the resume
+    streamed = replace(base.trainer, learner_feed="streaming_split")
     tracked = replace(base.run, name="resumed", mlflow=True)
-    first = run(replace(base, trainer=replace(base.trainer, total_steps=1), run=tracked), log=lambda *_: None)
+    first = run(replace(base, trainer=replace(streamed, total_steps=1), run=tracked), log=lambda *_: None)
     resumed = run(
-        replace(base, run=tracked, checkpoint=replace(base.checkpoint, resume=first["run_dir"])), log=lambda *_: None
+        replace(base, trainer=streamed, run=tracked, checkpoint=replace(base.checkpoint, resume=first["run_dir"])),
+        log=lambda *_: None,
     )
     a, b = _final_weights(straight), _final_weights(resumed)
     steps = [m for m in map(json.loads, open(f"{resumed['run_dir']}/metrics.jsonl")) if "reward" in m]
@@ -478,18 +484,8 @@ def test_end_to_end_rapo_and_resume_is_exact(ray_session, warm_cfg):
     client = MlflowClient(tracking_uri=f"sqlite:///{Path(resumed['run_dir']).resolve() / 'mlflow.db'}")
     assert [m.step for m in client.get_metric_history(mlflow_id, "reward")] == [1, 2]
     init = load_model(warm_start(base)).state_dict()
-    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
-    assert max((a[k] - init[k]).abs().max().item() for k in a) > 0  # the steps really changed the weights
-    # the same 2 steps with the learners fed through Ray Data's streaming_split: the same update up to the
-    # order in which the ranks sum their rows
-    streamed = run(
-        replace(
-            base, trainer=replace(base.trainer, learner_feed="streaming_split"), run=replace(base.run, name="streamed")
-        ),
-        log=lambda *_: None,
-    )
-    c = _final_weights(streamed)
-    assert max((a[k] - c[k]).abs().max().item() for k in a) <= 1e-5
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+    assert max((a[k] - init[k]).abs().max().item() for k in a) > 1e-4  # the steps moved the weights 10x that
 
 
 def test_resume_with_incompatible_config_names_fields(ray_session, warm_cfg, tmp_path):
