@@ -32,6 +32,8 @@ METHODS = {
     "rapo own-question": ["algo.name=rapo", "retrieval.question_scope=own"],
     # not a paper arm: only other questions' steps, so a retrieved step can help only by a move that transfers
     "rapo other-question": ["algo.name=rapo", "retrieval.question_scope=other"],
+    # not a paper arm: an answer that only a retrieved step showed earns 0 (algo.rapo.reward_retrieved_answers)
+    "rapo handed-unpaid": ["algo.name=rapo", "algo.rapo.reward_retrieved_answers=false"],
 }
 DEFAULT_METHODS = ["grpo", "arpo", "rapo", "rapo w/o RR", "rapo w/o RIS"]
 REWARD_KEYS = ("on_policy_reward", "hybrid_reward", "retrieval_reward")  # means over the run's steps

@@ -54,6 +54,7 @@ PARQUET_COLUMNS = (
     "shaping",
     "finish_reason",
     "answer",
+    "answer_retrieved",
     "tool_time_s",
     "retrievals",
 )

@@ -317,6 +317,12 @@ class RapoConfig:
     retrieval_level: str = _f(
         "step", "Retrieve single steps (RAPO) or whole trajectories ('w/ TO' ablation).", ("step", "trajectory")
     )
+    reward_retrieved_answers: bool = _f(
+        True,
+        "False (not in the paper): a hybrid rollout whose answer occurs in a retrieved step and in none of its own "
+        "tool results earns reward 0 instead of its score, since the expert found that answer, not the policy. "
+        "On the alias family most of RAPO's rewarded retrieved rollouts were such (docs/RESULTS.md).",
+    )
 
 
 @dataclass

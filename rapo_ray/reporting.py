@@ -49,6 +49,7 @@ def step_metrics(
         "retrievals": sum(t.num_retrievals for t in trajs),
         "retrieval_fallbacks": sum(t.retrieval_fallbacks for t in trajs),
         "retrieval_errors": sum(t.retrieval_errors for t in trajs),
+        "retrieved_answers": sum(t.answer_retrieved for t in trajs),  # see algo.rapo.reward_retrieved_answers
         "retrieved_token_fraction": _mean(t.retrieved_fraction for t in trajs),
         "entropy": _mean(ent_means),
         "retrieval_reward": _mean(z for t, z in zip(trajs, batch.retrieval_reward) if t.num_retrievals),

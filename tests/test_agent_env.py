@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rapo_ray.agent import protocol
-from rapo_ray.agent.loop import AgentLoop, LoopSettings
+from rapo_ray.agent.loop import AgentLoop, LoopSettings, answer_handed
 from rapo_ray.agent.retriever import InMemoryStepRetriever, StoredStep, steps_of
 from rapo_ray.agent.trajectory import Task
 from rapo_ray.algos.entropy import GENERATED, RETRIEVED, TOOL_RESULT
@@ -484,6 +484,49 @@ def test_retrieved_text_earns_no_reward(tiny_tokenizer, tools):
     )
     (t,), _ = loop.run_groups([Task("q", "Q?", ("42",), "math")], 1, n_hybrid=1)
     assert t.num_retrievals == 1 and t.reward == -1.0 and not t.correct
+
+
+def test_answer_handed_needs_the_answer_in_a_retrieved_step_and_in_no_own_tool_result():
+    assert answer_handed("Gavefu", "<search>rival of Pamisi</search><result>Gavefu</result>", "<result>Hihive</result>")
+    assert answer_handed("gavefu", "<result>Gavefu.</result>", "")  # any case, punctuation around it
+    assert answer_handed("New York", "<result>new\n york</result>", "")  # whitespace runs match
+    assert not answer_handed("Gavefu", "<result>Gavefu</result>", "<result>x, Gavefu</result>")  # found it itself
+    assert not answer_handed("12", "<result>120</result>", "")  # whole words only
+    assert not answer_handed("Gavefu", "<result>Hihive</result>", "")
+    assert not answer_handed(" ", "<result> </result>", "")
+
+
+@pytest.mark.parametrize("reward_retrieved_answers", [True, False])
+def test_an_answer_from_a_retrieved_step_is_flagged_and_optionally_unpaid(
+    tiny_tokenizer, tools, reward_retrieved_answers
+):
+    """algo.rapo.reward_retrieved_answers: the paper pays a correct answer whatever showed it; False pays 0 when only
+    a retrieved step showed it. Either way the trajectory records that the answer was handed to it."""
+    expert = "<think>last hop</think><search>rival of Pamisi</search><result>Gavefu</result>"
+    step = StoredStep("k", expert, tiny_tokenizer(expert, add_special_tokens=False)["input_ids"])
+    own = "<think>a</think><python>print(1)</python>"
+    answer = "<think>b</think><answer>\\boxed{Gavefu}</answer>"
+    loop = AgentLoop(
+        ScriptEngine(tiny_tokenizer, [own, answer]),
+        tiny_tokenizer,
+        tools,
+        settings(retrieve_prob=1.0, reward_retrieved_answers=reward_retrieved_answers),
+        retriever=InMemoryStepRetriever([step]),
+    )
+    (t,), _ = loop.run_groups([Task("q", "Who is the rival of Pamisi?", ("Gavefu",))], 1, n_hybrid=1)
+    assert t.num_retrievals == 1 and t.correct and t.answer_retrieved
+    assert t.reward == (1.0 if reward_retrieved_answers else 0.0)
+    # the same answer after its own call showed it: not handed, paid in full
+    found = "<think>a</think><python>print('Gavefu')</python>"
+    loop = AgentLoop(
+        ScriptEngine(tiny_tokenizer, [found, answer]),
+        tiny_tokenizer,
+        tools,
+        settings(retrieve_prob=1.0, reward_retrieved_answers=reward_retrieved_answers),
+        retriever=InMemoryStepRetriever([step]),
+    )
+    (t,), _ = loop.run_groups([Task("q", "Who is the rival of Pamisi?", ("Gavefu",))], 1, n_hybrid=1)
+    assert t.num_retrievals == 1 and t.correct and not t.answer_retrieved and t.reward == 1.0
 
 
 def test_empty_buffer_falls_back_and_counts(tiny_cfg, tiny_tokenizer, tools):

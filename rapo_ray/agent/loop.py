@@ -18,6 +18,7 @@ adjacent, and the first step is never retrieved.
 from __future__ import annotations
 
 import random
+import re
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
@@ -45,6 +46,8 @@ class LoopSettings:
     max_tool_calls: int = 3
     retrieve_prob: float = 0.5
     tool_bonus: float = 0.0
+    # RAPO option (algo.rapo.reward_retrieved_answers): False zeroes the reward of a handed answer (``answer_handed``)
+    reward_retrieved_answers: bool = True
     max_context: int = 0  # the model's window: prompt + response never exceed it (0: no limit known)
     seed: int | None = None
     schedule: str = "lockstep"  # "lockstep" | "per_trajectory" (see the module docstring)
@@ -516,6 +519,12 @@ class AgentLoop:
         # Policy-generated text only: tool results and retrieved blocks earn nothing.
         sc = self.tools.score(generated_text(self.tok, t), t.answers, t.task_kind, self.s.tool_bonus)
         t.reward, t.correct, t.f1, t.format_ok, t.answer = sc.reward, sc.correct, sc.f1, sc.format_ok, sc.answer
+        if t.retrievals and sc.reward > 0 and sc.answer:
+            t.answer_retrieved = answer_handed(
+                sc.answer, segment_text(self.tok, t, RETRIEVED), segment_text(self.tok, t, TOOL_RESULT)
+            )
+            if t.answer_retrieved and not self.s.reward_retrieved_answers:
+                t.reward = 0.0
 
 
 def _malformed_call_result(content: str) -> ToolResult | None:
@@ -523,12 +532,35 @@ def _malformed_call_result(content: str) -> ToolResult | None:
     return ToolResult("Error: " + content[len("\x00error:") :], False) if content.startswith("\x00error:") else None
 
 
+def segment_text(tokenizer, t: Trajectory, kind: str) -> str:
+    """The text of ``t``'s segments of one kind (GENERATED, TOOL_RESULT, RETRIEVED), in order."""
+    return "".join(tokenizer.decode(seg, skip_special_tokens=False) for seg in t.segment_ids(kind))
+
+
 def generated_text(tokenizer, t: Trajectory) -> str:
-    return "".join(tokenizer.decode(seg, skip_special_tokens=False) for seg in t.segment_ids(GENERATED))
+    return segment_text(tokenizer, t, GENERATED)
+
+
+def answer_handed(answer: str, retrieved_text: str, own_tool_text: str) -> bool:
+    """Whether a rollout's answer was handed to it: it occurs (whole words, any case) in the retrieved steps'
+    text and in none of the results of the rollout's own tool calls. Such a rollout is rewarded for what the
+    off-policy expert found, and its own (often wrong) calls are reinforced with it (docs/RESULTS.md)."""
+    words = re.escape(" ".join(answer.split())).replace(r"\ ", r"\s+")
+    pattern = re.compile(rf"(?<!\w){words}(?!\w)", re.IGNORECASE)
+    return bool(answer.strip()) and bool(pattern.search(retrieved_text)) and not pattern.search(own_tool_text)
 
 
 def full_text(tokenizer, t: Trajectory) -> str:
     return tokenizer.decode(t.response_ids, skip_special_tokens=False)
 
 
-__all__ = ["AgentLoop", "LoopSettings", "RolloutStats", "Task", "generated_text", "full_text"]
+__all__ = [
+    "AgentLoop",
+    "LoopSettings",
+    "RolloutStats",
+    "Task",
+    "answer_handed",
+    "generated_text",
+    "full_text",
+    "segment_text",
+]

@@ -63,6 +63,8 @@ class Trajectory:
     f1: float = 0.0
     format_ok: bool = False
     answer: str | None = None
+    # scored > 0 with an answer that a retrieved step showed and none of its own tool results did (answer_handed)
+    answer_retrieved: bool = False
     policy_version: int = 0
     tool_time_s: float = 0.0
     parent: int | None = None  # ARPO: slot this trajectory branched from

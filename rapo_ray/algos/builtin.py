@@ -22,7 +22,10 @@ def _rapo_hybrid_slots(algo_cfg) -> int:
 
 
 def _rapo_rollout_settings(algo_cfg) -> dict:
-    return {"retrieve_prob": algo_cfg.rapo.retrieve_prob}
+    return {
+        "retrieve_prob": algo_cfg.rapo.retrieve_prob,
+        "reward_retrieved_answers": algo_cfg.rapo.reward_retrieved_answers,
+    }
 
 
 GRPO = register(Algorithm("grpo", advantages=grpo_group_advantages))
