@@ -14,6 +14,11 @@ and reports:
 - ``top5_overlap``: mean share of the full form's top-5 steps in the form's top-5;
 - tokens per query and the measured embedding throughput (texts/s, this process's threads, batch 8) of the form,
   with ``incremental`` charged only the chunks not embedded before (its per-trajectory cache).
+
+It also reports, over all of the run's retrievals in run order, how a replica gets the full form's vectors
+(``reuse``): the share of queries equal to a stored key (the replica hands back the stored vector), the share
+repeating an earlier query (its cache, unbounded here), and the share it must embed with and without the
+stored keys.
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ def query_text(question: str, history: str, form: str, max_chars: int) -> str:
     """``full``: what a run embeds; ``question_last_step``: the question and the history's last step;
     ``last_step``: that step alone (the question before the first step). ``incremental`` is embedded per chunk
     (``embed_form``)."""
-    if form == "full":
+    if form in ("full", "full_int8"):
         return full_query(question, history, max_chars)
     last = (history_chunks(history) or [""])[-1]
     if form == "question_last_step":
@@ -123,6 +128,42 @@ def run_queries(run: Path, tokenizer) -> list[dict]:
     return out
 
 
+def int8_copy(embedder):
+    """A copy of ``embedder`` whose MiniLM runs its linear layers in int8 (torch's dynamic quantization)."""
+    import copy
+    import warnings
+
+    out = copy.copy(embedder)
+    out._cache = type(embedder._cache)()
+    with warnings.catch_warnings():  # torch marks its quantized tensors deprecated (still there in 2.13)
+        warnings.simplefilter("ignore")
+        out.model = torch.ao.quantization.quantize_dynamic(
+            copy.deepcopy(embedder.model), {torch.nn.Linear}, dtype=torch.qint8
+        )
+    return out
+
+
+def reuse_shares(queries: list[str], keys: list[str]) -> dict:
+    """Shares of ``queries`` (embedded texts, in run order) that equal a stored key, that repeat an earlier
+    query, and that a replica embeds without and with the stored keys' vectors."""
+    stored = set(keys)
+    seen: set[str] = set()
+    key_hits = repeats = embedded_with_keys = 0
+    for q in queries:
+        key_hits += q in stored
+        repeats += q in seen
+        embedded_with_keys += q not in stored and q not in seen
+        seen.add(q)
+    n = max(len(queries), 1)
+    return {
+        "queries": len(queries),
+        "equal_a_stored_key": key_hits / n,
+        "repeat_an_earlier_query": repeats / n,
+        "embedded_cache_only": (len(queries) - repeats) / n,
+        "embedded_cache_and_keys": embedded_with_keys / n,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", required=True, type=Path, help="a finished RAPO run directory")
@@ -132,13 +173,18 @@ def main() -> None:
     )
     ap.add_argument("--threads", type=int, default=2, help="torch threads for the embedding-speed figures")
     ap.add_argument("--out", type=Path, default=None, help="JSON report")
+    ap.add_argument(
+        "--int8",
+        action="store_true",
+        help="also the full form embedded by MiniLM with int8 dynamically quantized linear layers (form full_int8)",
+    )
     args = ap.parse_args()
     if not (args.run / "config.yaml").is_file():
         sys.exit(f"--run {args.run}: no config.yaml there (not a run directory)")
     torch.set_num_threads(args.threads)
 
     from rapo_ray.model import load_tokenizer
-    from rapo_ray.retrieval.embedder import Embedder
+    from rapo_ray.retrieval.embedder import Embedder, preprocess
     from rapo_ray.trainer import rl_task_pool
 
     cfg = load_run(args.run)
@@ -151,6 +197,16 @@ def main() -> None:
     rows = stored_keys(cfg)
     queries = run_queries(args.run, tokenizer)
     n_all = len(queries)
+    max_chars = cfg.retrieval.query_max_chars
+    embedded = [
+        preprocess(full_query(question_of[q["question_id"]], q["history"], max_chars), max_chars) for q in queries
+    ]
+    reuse = reuse_shares(embedded, [preprocess(r["key"], max_chars) for r in rows])
+    print(
+        f"reuse over all {n_all} retrievals: {reuse['equal_a_stored_key']:.1%} equal a stored key, "
+        f"{reuse['repeat_an_earlier_query']:.1%} repeat an earlier query; embedded "
+        f"{reuse['embedded_cache_only']:.1%} (cache) -> {reuse['embedded_cache_and_keys']:.1%} (cache + stored keys)"
+    )
     if args.max_queries and len(queries) > args.max_queries:  # whole trajectories, so incremental's cache is real
         per_traj = Counter(q["traj"] for q in queries)
         trajs = sorted(per_traj)
@@ -174,8 +230,9 @@ def main() -> None:
     print(f"{len(rows)} stored steps, {len(queries)} of the {n_all} retrievals of {args.run}")
 
     embedder = Embedder(pooling=cfg.retrieval.pooling, max_chars=10**9)
-    max_chars = cfg.retrieval.query_max_chars
     forms = [(f, max_chars) for f in QUERY_FORMS] + [("full", int(c)) for c in args.tails.split(",") if c]
+    embedders = {"full_int8": int8_copy(embedder)} if args.int8 else {}
+    forms += [(f, max_chars) for f in embedders]
     scope = cfg.retrieval.question_scope
 
     # masks for the question scope (any / other / own), one row per query
@@ -188,11 +245,10 @@ def main() -> None:
     def embed_form(form: str, chars: int, items: list[dict], cache: dict | None = None) -> tuple[np.ndarray, int]:
         """Vectors for ``items`` under a form; the second value is how many tokens had to be embedded."""
         if form != "incremental":
+            emb = embedders.get(form, embedder)
             texts = [query_text(it["question"], it["history"], form, chars) for it in items]
-            ntok = sum(
-                len(embedder.tokenizer(t, truncation=True, max_length=embedder.max_length)["input_ids"]) for t in texts
-            )
-            return embedder.embed(texts), ntok
+            ntok = sum(len(emb.tokenizer(t, truncation=True, max_length=emb.max_length)["input_ids"]) for t in texts)
+            return emb.embed(texts), ntok
         cache = {} if cache is None else cache
         vecs, ntok = np.zeros((len(items), embedder.dim), dtype=np.float32), 0
         for i, it in enumerate(items):
@@ -243,7 +299,7 @@ def main() -> None:
         else:
             texts = [query_text(q["question"], q["history"], form, chars) for q in sample]
             for i in range(0, len(texts), 8):
-                embedder.embed(texts[i : i + 8])
+                embedders.get(form, embedder).embed(texts[i : i + 8])
         per_query_ms = (time.perf_counter() - t1) * 1000 / len(sample)
         results[name] = {
             "top1_agree": float(agree.mean()),
@@ -263,6 +319,7 @@ def main() -> None:
         "retrievals": n_all,
         "retrievals_compared": len(queries),
         "question_scope": scope,
+        "reuse": reuse,
         "threads": args.threads,
         "forms": results,
     }

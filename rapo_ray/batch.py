@@ -60,6 +60,27 @@ PARQUET_COLUMNS = (
 )
 
 
+def length_sorted_groups(lengths: Sequence[int], max_rows: int, pad_slack: float) -> list[list[int]]:
+    """Indices of items with these lengths, sorted by length and cut into groups of at most ``max_rows`` whose
+    padded size (longest x count) stays within ``1 + pad_slack`` of their real size.
+
+    Why: a padded batch costs its padded size on a CPU, and a model's forward over several groups gives each row
+    what one batch gives (the loss sums per-token terms). E.g. lengths [5, 50, 6, 52], max_rows 4, slack 0.1 ->
+    [[0, 2], [1, 3]] (12 <= 1.1 x 11, 104 <= 1.1 x 102; all four together would pad 52 x 4 = 208 for 113)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups: list[list[int]] = []
+    real = 0
+    for i in order:
+        cur = groups[-1] if groups else None
+        if cur and len(cur) < max_rows and lengths[i] * (len(cur) + 1) <= (1 + pad_slack) * (real + lengths[i]):
+            cur.append(i)
+            real += lengths[i]
+        else:
+            groups.append([i])
+            real = lengths[i]
+    return groups
+
+
 @dataclass
 class TrajectoryBatch:
     trajectories: list[Trajectory] = field(default_factory=list)

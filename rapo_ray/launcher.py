@@ -42,6 +42,9 @@ QUIET_ENV = {
         "HF_HUB_DISABLE_PROGRESS_BARS": "1",
         "TRANSFORMERS_VERBOSITY": "error",
         "PYTHONWARNINGS": "ignore::FutureWarning",  # deprecations inside vLLM and Ray, not ours to fix
+        # Ray Data sets its logger's level from this on import and at each execution (a setLevel does not last);
+        # the session's ray-data.log then keeps only warnings too
+        "RAY_DATA_LOG_LEVEL": "WARNING",
     }.items()
 }
 SERVE_LOGGING = {"log_level": os.environ.get("RAPO_SERVE_LOG_LEVEL", "WARNING")}
@@ -53,6 +56,7 @@ def quiet_driver() -> None:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+    os.environ.setdefault("RAY_DATA_LOG_LEVEL", QUIET_ENV["RAY_DATA_LOG_LEVEL"])
     for name in ("ray.serve", "ray.data"):
         logging.getLogger(name).setLevel(SERVE_LOGGING["log_level"])
 
@@ -211,6 +215,17 @@ def make_run_dir(cfg: Config, create: bool = True) -> RunDir:
 # ---------------------------------------------------------------- services the trainer uses
 
 
+def _failed_why(app_status) -> str:
+    """The last line of each failed deployment's message: Serve's app message only names the deployments, and a
+    deployment's message ends with its constructor's exception after a long traceback."""
+    why = []
+    for name, dep in app_status.deployments.items():
+        lines = [line for line in (dep.message or "").splitlines() if line.strip()]
+        if dep.status != "HEALTHY" and lines:
+            why.append(f"{name}: {lines[-1].strip()}")
+    return "".join(f"\n  {w}" for w in why)
+
+
 class RetrievalService:
     """RAPO's step-trace buffer in Milvus (embedded milvus-lite unless ``retrieval.milvus_uri``), built once,
     behind the Serve app ``retrieval``. ``app`` is None for algorithms without hybrid slots.
@@ -259,7 +274,7 @@ class RetrievalService:
             if app.status == ApplicationStatus.RUNNING:
                 return
             if app.status == ApplicationStatus.DEPLOY_FAILED:
-                raise RuntimeError(f"the Serve app {self.app!r} failed to deploy: {app.message}")
+                raise RuntimeError(f"the Serve app {self.app!r} failed to deploy: {app.message}{_failed_why(app)}")
             time.sleep(poll_s)
 
     def close(self) -> None:

@@ -19,13 +19,14 @@ import math
 import os
 import random
 import time
+from typing import Sequence
 
 import ray
 import torch
 
 from rapo_ray.agent.trajectory import Trajectory
 from rapo_ray.algos import PolicyLossConfig, aggregation_denominator, policy_loss, token_entropy_from_logits
-from rapo_ray.batch import TrajectoryBatch
+from rapo_ray.batch import TrajectoryBatch, length_sorted_groups
 from rapo_ray.config import Config, from_dict, to_dict
 from rapo_ray.metrics import actor_stats, merge_actor_stats
 from rapo_ray.net import free_port
@@ -402,16 +403,37 @@ def _gather(refs: list) -> list:
     return [results[r] for r in refs]
 
 
-def split_for_ranks(batch: TrajectoryBatch, world: int, micro: int) -> list[list[TrajectoryBatch]]:
-    """``batch`` -> [rank][micro-batch]: row i goes to rank ``i % world``; every rank gets the same number of
-    micro-batches, a rank with fewer rows gets padding micro-batches at its end."""
-    per_rank = [list(range(r, len(batch), world)) for r in range(world)]
-    n_micro = max(1, max(math.ceil(len(p) / micro) for p in per_rank))
+# Length-sorted micro-batches may pad each to at most 10% over its real tokens.
+MICRO_BATCH_PAD_SLACK = 0.1
+
+
+def micro_batch_rows(lengths: Sequence[int], world: int, micro: int, length_sorted: bool) -> list[list[list[int]]]:
+    """[rank][micro-batch] -> row indices of a batch whose rows have these token lengths. Row i goes to rank
+    ``i % world``. A rank's rows are cut into micro-batches of at most ``micro`` rows: in row order, or
+    (``length_sorted``) sorted by length and cut where padding would pass ``MICRO_BATCH_PAD_SLACK``
+    (``batch.length_sorted_groups``). Every rank gets the same number of micro-batches (FSDP's collectives need
+    every rank in every forward/backward): a rank with fewer gets empty ones, sent as padding rows."""
+    per_rank = [list(range(r, len(lengths), world)) for r in range(world)]
     out = []
     for rows in per_rank:
-        mbs = [rows[i * micro : (i + 1) * micro] for i in range(n_micro)]
-        out.append([batch.select(mb) if mb else batch.padding_like(1) for mb in mbs])
-    return out
+        if length_sorted:
+            groups = length_sorted_groups([lengths[i] for i in rows], micro, MICRO_BATCH_PAD_SLACK)
+            out.append([[rows[j] for j in g] for g in groups])
+        else:
+            out.append([rows[i : i + micro] for i in range(0, len(rows), micro)])
+    n_micro = max(1, max(len(mbs) for mbs in out))
+    return [mbs + [[] for _ in range(n_micro - len(mbs))] for mbs in out]
+
+
+def split_for_ranks(
+    batch: TrajectoryBatch, world: int, micro: int, length_sorted: bool = False
+) -> tuple[list[list[TrajectoryBatch]], list[list[list[int]]]]:
+    """``batch`` -> ([rank][micro-batch] batches, their row indices as ``micro_batch_rows`` gives them); an empty
+    micro-batch is a one-row padding batch that weighs nothing in the loss."""
+    rows = micro_batch_rows(
+        [len(t.prompt_ids) + len(t.response_ids) for t in batch.trajectories], world, micro, length_sorted
+    )
+    return [[batch.select(mb) if mb else batch.padding_like(1) for mb in mbs] for mbs in rows], rows
 
 
 class LearnerGroup:
@@ -456,14 +478,15 @@ class LearnerGroup:
 
     def forward_old(self, batch: TrajectoryBatch) -> None:
         """Fill ``batch.old_logprobs`` and ``batch.entropies`` ([B][L_i]) under the current policy."""
-        world = self.world_size
-        micro = self.cfg.learner.micro_rows(self.cfg.learner.mini_batch_size // world)
-        per_rank = split_for_ranks(batch, world, micro)
+        world, lc = self.world_size, self.cfg.learner
+        micro = lc.micro_rows(lc.mini_batch_size // world)
+        per_rank, rows = split_for_ranks(batch, world, micro, lc.length_sorted_micro_batches)
         results = _gather([w.forward_old.remote(mbs) for w, mbs in zip(self.workers, per_rank)])
         logp: list = [None] * len(batch)
         ent: list = [None] * len(batch)
-        for rank, res in enumerate(results):
-            for i, (lp, en) in zip(range(rank, len(batch), world), res):  # padding rows come last and are dropped
+        for res, rank_rows in zip(results, rows):
+            # a rank's results follow its micro-batches' rows; a padding micro-batch's one row has no index
+            for i, (lp, en) in zip([i for mb in rank_rows for i in mb], res):
                 logp[i], ent[i] = lp, en
         batch.old_logprobs, batch.entropies = logp, ent
 
@@ -488,7 +511,9 @@ class LearnerGroup:
             else:
                 per_rank: list[list] = [[] for _ in range(world)]
                 for mini, denom in zip(minis, denoms):
-                    split = split_for_ranks(mini, world, micro=lc.micro_rows(math.ceil(len(mini) / world)))
+                    split, _ = split_for_ranks(
+                        mini, world, lc.micro_rows(math.ceil(len(mini) / world)), lc.length_sorted_micro_batches
+                    )
                     for rank in range(world):
                         per_rank[rank].append((split[rank], denom))
                 stats = _gather([w.update.remote(per_rank[r]) for r, w in enumerate(self.workers)])

@@ -468,6 +468,43 @@ def test_hybrid_rollout_invariants(tiny_cfg, tiny_tokenizer, tools, schedule):
         assert 0 < t.retrieved_fraction < 1
 
 
+@SCHEDULES
+def test_a_query_is_the_tail_of_question_and_history_that_the_config_names(tiny_cfg, tiny_tokenizer, tools, schedule):
+    """Every retrieval query is the last ``query_max_chars`` characters of the question and the decoded history
+    (the same text a stored key embeds), and the setting comes from ``retrieval.query_max_chars`` (it used to be
+    fixed at 1,300 in the loop whatever the config said)."""
+    from rapo_ray.config import load_config
+
+    assert LoopSettings.from_config(load_config(overrides=["retrieval.query_max_chars=2000"])).query_max_chars == 2000
+
+    class Recording(InMemoryStepRetriever):
+        def retrieve(self, queries, question_ids=None):
+            self.queries.extend(queries)
+            return super().retrieve(queries, question_ids)
+
+    recording = Recording(_store(tiny_tokenizer))
+    recording.queries = []
+
+    _, test = task_splits(tiny_cfg.tasks)
+    tasks = test["multihop"][:2]
+    loop = AgentLoop(
+        ScriptedExpertEngine(tiny_tokenizer),
+        tiny_tokenizer,
+        tools,
+        settings(retrieve_prob=1.0, schedule=schedule, query_max_chars=40),
+        retriever=recording,
+    )
+    trajs, _ = loop.run_groups(tasks, group_size=2, n_hybrid=1)
+    assert recording.queries and all(len(q) == 40 for q in recording.queries)
+    full = [
+        t.question + tiny_tokenizer.decode(t.response_ids[:s], skip_special_tokens=False)
+        for t in trajs
+        for k, s, _ in t.segments
+        if k == RETRIEVED
+    ]
+    assert sorted(recording.queries) == sorted(f[-40:] for f in full)
+
+
 def test_retrieved_text_earns_no_reward(tiny_tokenizer, tools):
     answer_leak = StoredStep(
         "k",

@@ -79,7 +79,8 @@ def test_split_for_ranks_round_robin_with_padding():
     from rapo_ray.learner import _collate, split_for_ranks
 
     b = TrajectoryBatch([_traj(i, 4 + i) for i in range(5)], old_logprobs=[[0.0] * (4 + i) for i in range(5)])
-    per_rank = split_for_ranks(b, world=2, micro=2)
+    per_rank, rows = split_for_ranks(b, world=2, micro=2)
+    assert rows == [[[0, 2], [4]], [[1, 3], []]]
     # rank 0 gets rows 0, 2, 4 (two micro-batches); rank 1 rows 1, 3 and one padding micro-batch
     assert [[t.slot for t in mb] for mb in per_rank[0]] == [[0, 2], [4]]
     assert [[t.slot for t in mb] for mb in per_rank[1]] == [[1, 3], [-1]]
@@ -88,3 +89,30 @@ def test_split_for_ranks_round_robin_with_padding():
     assert ids.shape == (2, 9) and attn[0].tolist() == [1] * 7 + [0, 0]
     assert resp[0].tolist() == [0, 0, 1, 1, 1, 1, 0, 0] and mask[0].tolist() == [0, 0, 1, 1, 0, 0, 0, 0]
     assert torch.equal(old, torch.zeros_like(old))
+
+
+def test_length_sorted_groups_by_hand():
+    from rapo_ray.batch import length_sorted_groups
+
+    # sorted: 5 (0), 6 (2), 50 (1), 52 (3); 5+6 pads to 12 <= 1.1 x 11; adding 50 would pad 150 > 1.1 x 61
+    assert length_sorted_groups([5, 50, 6, 52], max_rows=4, pad_slack=0.1) == [[0, 2], [1, 3]]
+    assert length_sorted_groups([5, 50, 6, 52], max_rows=1, pad_slack=0.1) == [[0], [2], [1], [3]]
+    assert length_sorted_groups([5, 50, 6, 52], max_rows=4, pad_slack=10.0) == [[0, 2, 1, 3]]  # 208 <= 11 x 113
+    assert length_sorted_groups([7, 7, 7], max_rows=2, pad_slack=0.0) == [[0, 1], [2]]
+    assert length_sorted_groups([], max_rows=4, pad_slack=0.1) == []
+
+
+def test_length_sorted_micro_batches_per_rank_with_the_same_count_on_every_rank():
+    """Rank 0 holds rows 0, 2, 4, 6 (lengths 10, 11, 40, 41), rank 1 rows 1, 3, 5 (10, 10, 10): rank 0 cuts two
+    micro-batches of like lengths, rank 1 needs one and gets an empty (padding) one to match; row order, the
+    old behaviour, cuts every ``micro`` rows."""
+    from rapo_ray.learner import micro_batch_rows
+
+    lengths = [10, 10, 11, 10, 40, 10, 41]
+    assert micro_batch_rows(lengths, world=2, micro=4, length_sorted=True) == [[[0, 2], [4, 6]], [[1, 3, 5], []]]
+    assert micro_batch_rows(lengths, world=2, micro=4, length_sorted=False) == [[[0, 2, 4, 6]], [[1, 3, 5]]]
+    assert micro_batch_rows(lengths, world=2, micro=1, length_sorted=True) == [
+        [[0], [2], [4], [6]],
+        [[1], [3], [5], []],
+    ]
+    assert micro_batch_rows([], world=2, micro=4, length_sorted=True) == [[[]], [[]]]

@@ -5,6 +5,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from rapo_ray.agent.retriever import StoredStep
 from rapo_ray.retrieval.store import MilvusLiteServer, MilvusStepStore, StoreError
@@ -99,6 +100,30 @@ def test_replica_index_matches_brute_force_and_milvus(lite):
         index.add(["x"], np.zeros((1, 8), dtype=np.float32), [("v", "[]", 0.0, "q")])
     assert ReplicaIndex(16).search(queries[:2], top_k=3) == [[], []]  # empty buffer: no hits, no error
     store.close()
+
+
+def test_replica_index_hands_back_stored_vectors_of_queries_equal_to_a_key():
+    """``key_vectors``: a query whose embedded text (here: its last 4 characters) equals a stored key's gets that
+    row's vector; other queries, keys the store may have cut, and an index without ``key_text`` get None."""
+    from rapo_ray.retrieval.replica_index import ReplicaIndex
+    from rapo_ray.retrieval.store import KEY_CHARS
+
+    vec = _unit(3, 16, 2)
+    payloads = [("v", "[]", 1.0, "q")] * 3
+    keys = ["history 1 ab", "history 2 cd", "x" * KEY_CHARS]  # the last one may have been cut: never matched
+    index = ReplicaIndex(16, key_text=lambda t: t[-4:])
+    index.add(["a", "b", "c"], vec, payloads, keys)
+    got = index.key_vectors(["other 1 ab", "history 2 cd", "nothing", "x" * KEY_CHARS])
+    assert np.array_equal(got[0], vec[0]) and np.array_equal(got[1], vec[1]) and got[2] is None and got[3] is None
+    got[0][:] = 0  # a copy: the index's own row is untouched
+    assert np.array_equal(index.key_vectors(["history 1 ab"])[0], vec[0])
+    index.add(["a"], vec[2:3], payloads[:1], ["history 1 ab"])  # upsert: the key now maps to the new vector
+    assert np.array_equal(index.key_vectors(["history 1 ab"])[0], vec[2])
+    plain = ReplicaIndex(16)
+    plain.add(["a"], vec[:1], payloads[:1], keys[:1])
+    assert plain.key_vectors(["history 1 ab"]) == [None]
+    with pytest.raises(ValueError, match="1 keys"):
+        index.add(["a", "b"], vec[:2], payloads[:2], keys[:1])
 
 
 def test_dimension_mismatch_is_clear(lite):
@@ -248,6 +273,31 @@ def test_embedder_pooling_and_truncation():
 
 
 @pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_embedder_vectors_are_minilm_s_own(pooling):
+    """Against MiniLM run whole by transformers (each text alone, so no padding): the embedder's vectors, one text
+    at a time and in a padded batch, are the pooled last hidden states, also with last-token pooling where the
+    embedder runs the last layer for the last position only."""
+    from transformers import AutoModel, AutoTokenizer
+
+    from rapo_ray.retrieval.embedder import Embedder, minilm_path
+
+    texts = [
+        "Who is the rival of Pamiga? <search>rival of Pamiga</search><result>The rival of Pamiga is Zo.</result>",
+        "print(3 + 4)",
+        "Fay has 150 beads. " * 30,
+    ]
+    model, tok = AutoModel.from_pretrained(str(minilm_path())).eval(), AutoTokenizer.from_pretrained(str(minilm_path()))
+    with torch.inference_mode():
+        hidden = [model(**tok(t, return_tensors="pt")).last_hidden_state[0] for t in texts]
+    want = [h[-1] if pooling == "last" else h.mean(0) for h in hidden]
+    want = torch.nn.functional.normalize(torch.stack(want), dim=-1).numpy()
+    emb = Embedder(pooling=pooling)
+    alone = np.concatenate([emb.embed([t]) for t in texts])
+    assert np.abs(alone - want).max() < 1e-5
+    assert np.abs(emb.embed(texts) - want).max() < 1e-5
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
 def test_embedding_does_not_depend_on_batch_mates(pooling):
     """Left padding must not shift a text's positions: a query embeds the same alone and batched with a long
     text (it did not: cosine 0.61 with last-token pooling before positions were counted per text)."""
@@ -284,6 +334,13 @@ def test_serve_app_handle_and_http(serve_url, tmp_path, search_on):
         handle = serve.get_deployment_handle("StepRetriever", app_name="retrieval_test")
         out = HandleStepRetriever(handle).retrieve(["key 7", "key 12"])
         assert [o.value for o in out] == ["<think>v7</think>", "<think>v12</think>"]
+        # queries equal to stored keys take the stored vectors (replica copy) instead of being embedded
+        stats = handle.embed_stats.remote().result()
+        if search_on == "replica":
+            assert stats == {"key_hits": 2, "cache_hits": 0, "embedded": 0}
+        else:  # no in-memory copy of the keys: embedded
+            assert stats == {"key_hits": 0, "cache_hits": 0, "embedded": 2}
+        assert out[0].score == pytest.approx(1.0, abs=1e-5)  # the stored vector of the same text: cosine 1
         # question scopes: key 7 is question q0's; "other" must pick another question's step, "own" one of q0's
         other = HandleStepRetriever(handle, question_scope="other").retrieve(["key 7"], ["q0"])[0]
         own = HandleStepRetriever(handle, question_scope="own").retrieve(["key 8"], ["q0"])[0]
@@ -486,3 +543,34 @@ def test_embedder_cache_and_sub_batches_give_the_vectors_of_one_text_at_a_time()
     assert np.array_equal(again[0], first[4]) and np.abs(again[1] - alone[0]).max() < 1e-4
     with pytest.raises(ValueError, match="cache_size"):
         Embedder(cache_size=-1)
+
+
+def test_wait_ready_returns_once_the_app_runs_and_names_a_failed_deploy(serve_url):
+    """The launcher deploys the retrieval app without waiting and calls ``wait_ready`` before the first rollout:
+    it must return for an app that comes up, and raise with the replica's own error for one that cannot start
+    (not hang, and not only "failed to update the deployments")."""
+    from ray import serve
+
+    from rapo_ray.launcher import RetrievalService
+
+    @serve.deployment(max_constructor_retry_count=1)
+    class Broken:
+        def __init__(self):
+            raise ValueError("no embedder here")
+
+    @serve.deployment
+    class Fine:
+        def __call__(self, request) -> str:
+            return "ok"
+
+    svc = RetrievalService.__new__(RetrievalService)
+    for name, app in (("wait-ready-fine", Fine.bind()), ("wait-ready-broken", Broken.bind())):
+        serve.run_many([serve.RunTarget(app, name, f"/{name}", None)], wait_for_applications_running=False)
+        svc.app = name
+        if name == "wait-ready-fine":
+            svc.wait_ready()
+            assert serve.status().applications[name].status == "RUNNING"
+        else:
+            with pytest.raises(RuntimeError, match=r"'wait-ready-broken' failed to deploy(.|\n)*no embedder here"):
+                svc.wait_ready()
+        serve.delete(name)

@@ -329,6 +329,37 @@ def test_micro_batches_accumulate_to_the_same_update(ray_session, fleet_cfg, tin
     assert moved > 1e-3 and gap < 1e-4 * moved
 
 
+def test_forward_old_puts_length_sorted_micro_batches_back_in_row_order(ray_session, fleet_cfg):
+    """With ``learner.length_sorted_micro_batches`` a rank sees its rows out of order; the group must still fill
+    ``old_logprobs`` / ``entropies`` row by row (ranks here echo each row's length and slot)."""
+    from dataclasses import replace
+
+    from rapo_ray.agent.trajectory import Trajectory
+    from rapo_ray.batch import TrajectoryBatch
+    from rapo_ray.learner import LearnerGroup
+
+    @ray.remote(num_cpus=0)
+    class Echo:
+        def forward_old(self, micro_batches):
+            return [([float(len(t.response_ids))], [float(t.slot)]) for mb in micro_batches for t in mb.trajectories]
+
+    lengths = [30, 3, 4, 31, 5, 29, 6, 2, 33]
+    trajs = [
+        Trajectory(f"g{i}", i, "on_policy", f"p{i}", "qa", (), prompt_ids=[3, 4], response_ids=[7] * n,
+                   loss_mask=[1] * n)
+        for i, n in enumerate(lengths)
+    ]  # fmt: skip
+    group = LearnerGroup.__new__(LearnerGroup)
+    group.workers = [Echo.remote(), Echo.remote()]
+    for length_sorted in (True, False):
+        learner = replace(fleet_cfg.learner, world_size=2, mini_batch_size=8, length_sorted_micro_batches=length_sorted)
+        group.cfg = replace(fleet_cfg, learner=learner)
+        batch = TrajectoryBatch(trajs)
+        group.forward_old(batch)
+        assert batch.old_logprobs == [[float(n)] for n in lengths]
+        assert batch.entropies == [[float(i)] for i in range(len(lengths))]
+
+
 def test_checkpoint_in_a_lower_dtype_keeps_fp32_master_weights(ray_session, fleet_cfg, tiny_model_dir, tmp_path):
     """model.dtype=bfloat16: the checkpoint is an HF folder in bf16 (what engines and serving load), and a resume
     continues from the exact fp32 master weights kept in optimizer.pt, not from their bf16 rounding."""

@@ -45,6 +45,7 @@ class LoopSettings:
     max_step_tokens: int = 96
     max_tool_calls: int = 3
     retrieve_prob: float = 0.5
+    query_max_chars: int = 1300  # retrieval.query_max_chars: the tail of question + history a query sends
     tool_bonus: float = 0.0
     # RAPO option (algo.rapo.reward_retrieved_answers): False zeroes the reward of a handed answer (``answer_handed``)
     reward_retrieved_answers: bool = True
@@ -71,6 +72,7 @@ class LoopSettings:
             max_tool_calls=rollout_cfg.max_tool_calls,
             system_prompt=protocol.system_prompt_for(cfg.tasks.system_prompt, bundled=not cfg.model.path),
             schedule=rollout_cfg.schedule,
+            query_max_chars=cfg.retrieval.query_max_chars,
         )
         if not evaluation:  # the algorithm's own rollout settings (RAPO's retrieval probability, ARPO's branching)
             s = replace(s, **get_algorithm(algo_cfg.name).rollout_settings(algo_cfg))
@@ -267,7 +269,7 @@ class AgentLoop:
                 and self.retriever is not None
                 and rng_of(i).random() < self.s.retrieve_prob
             ):
-                query = query_text(t.question, self.tok.decode(t.response_ids, skip_special_tokens=False))
+                query = self._query(t)
                 fut = retrieve_pool.submit(self.retriever.retrieve, [query], [t.problem_id])
                 in_flight[fut] = ("retrieve", i, time.perf_counter())
                 return
@@ -367,11 +369,13 @@ class AgentLoop:
             retrieval.step_after = t.num_generated_steps - 1
         return self._classify_step(t, res)
 
+    def _query(self, t: Trajectory) -> str:
+        """The retrieval query for ``t``'s next step: the tail of its question and history so far (spec §2)."""
+        history = self.tok.decode(t.response_ids, skip_special_tokens=False)
+        return query_text(t.question, history, self.s.query_max_chars)
+
     def _insert_retrievals(self, trajs, want, pending):
-        queries = [
-            query_text(trajs[i].question, self.tok.decode(trajs[i].response_ids, skip_special_tokens=False))
-            for i in want
-        ]
+        queries = [self._query(trajs[i]) for i in want]
         try:
             hits = self.retriever.retrieve(queries, [trajs[i].problem_id for i in want])
         except RetrievalFailed:  # every asking slot takes a policy step instead, counted

@@ -240,7 +240,7 @@ def build_buffer(cfg, model_dir: str, uri: str, tasks: list, manifest: Path, log
             ExpertSampler,
             fn_constructor_args=(model_dir, to_dict(cfg), cfg.retrieval.buffer_error_rate, cfg.trainer.sft_seed),
             batch_size=32,
-            concurrency=1,
+            compute=ray.data.ActorPoolStrategy(size=1),
             num_cpus=1,
             batch_format="numpy",
         )
@@ -248,7 +248,7 @@ def build_buffer(cfg, model_dir: str, uri: str, tasks: list, manifest: Path, log
             EmbedStep,
             fn_constructor_args=(cfg.retrieval.pooling, cfg.retrieval.query_max_chars),
             batch_size=256,
-            concurrency=1,
+            compute=ray.data.ActorPoolStrategy(size=1),
             num_cpus=1,
             batch_format="numpy",
         )

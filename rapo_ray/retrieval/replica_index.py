@@ -7,23 +7,39 @@ on this 2-core box a milvus-lite search over 50k steps took ~0.3 s after a flush
 the product over 50k x 384 float32 vectors takes milliseconds and is exact (recall 1 by construction). The
 copy costs ~1.6 KB of vector plus the payload text per step: fine up to a few million steps; beyond that,
 search in Milvus (``search_on=milvus``: HNSW on a Milvus server).
+
+The copy also answers "is this query a stored key?" (``key_vectors``): a query whose embedded text equals a
+stored step's key gets that step's vector instead of being embedded again. In a hybrid rollout that is every
+retrieval at a question's first step (the history is the question alone, which is the first stored key of each
+of that question's off-policy trajectories) and more: measured in docs/RESULTS.md (issue #21).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from rapo_ray.agent.retriever import RetrievedStep
+from rapo_ray.retrieval.store import KEY_CHARS
 
-_FIELDS = ["id", "vector", "value", "value_ids", "reward", "question_id"]
+_FIELDS = ["id", "vector", "key", "value", "value_ids", "reward", "question_id"]
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 
 class ReplicaIndex:
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, key_text: Callable[[str], str] | None = None):
+        """``key_text``: what the embedder embeds of a text (``Embedder.embedded_text``); given, stored keys are
+        indexed by it so that ``key_vectors`` can answer queries equal to a key. The stored vectors must come from
+        that same embedder and settings (the launcher checks the buffer manifest's fingerprint for this)."""
         self.dim = dim
+        self.key_text = key_text
+        self._row_of_key: dict[bytes, int] = {}  # digest of a stored key's embedded text -> its row
         self._vectors = np.zeros((0, dim), dtype=np.float32)
         self._n = 0
         self._row_of: dict[str, int] = {}
@@ -31,9 +47,9 @@ class ReplicaIndex:
         self._rows_of_question: dict[str, set[int]] = {}  # for question_scope=own: no scan over every row
 
     @classmethod
-    def from_store(cls, store, batch_size: int = 2000) -> "ReplicaIndex":
+    def from_store(cls, store, batch_size: int = 2000, key_text: Callable[[str], str] | None = None) -> "ReplicaIndex":
         """Copy every row of ``store``'s collection (a ``MilvusStepStore``) into memory."""
-        index = cls(store.dim)
+        index = cls(store.dim, key_text)
         it = store.client.query_iterator(store.collection, batch_size=batch_size, filter="", output_fields=_FIELDS)
         try:
             while rows := it.next():
@@ -48,18 +64,27 @@ class ReplicaIndex:
             [r["id"] for r in rows],
             np.asarray([r["vector"] for r in rows], dtype=np.float32).reshape(len(rows), -1),
             [(r["value"], r["value_ids"], float(r["reward"]), r["question_id"]) for r in rows],
+            [r.get("key") for r in rows],
         )
 
     def __len__(self) -> int:
         return self._n
 
-    def add(self, ids: Sequence[str], vectors: np.ndarray, payloads: Sequence[tuple[str, str, float, str]]) -> None:
-        """Insert or replace rows by id (the same upsert semantics as the collection)."""
-        if not (len(ids) == len(vectors) == len(payloads)):
-            raise ValueError(f"{len(ids)} ids, {len(vectors)} vectors and {len(payloads)} payloads")
+    def add(
+        self,
+        ids: Sequence[str],
+        vectors: np.ndarray,
+        payloads: Sequence[tuple[str, str, float, str]],
+        keys: Sequence[str | None] | None = None,
+    ) -> None:
+        """Insert or replace rows by id (the same upsert semantics as the collection). ``keys``: the rows' key
+        texts as stored (None: unknown), for ``key_vectors``."""
+        keys = [None] * len(ids) if keys is None else keys
+        if not (len(ids) == len(vectors) == len(payloads) == len(keys)):
+            raise ValueError(f"{len(ids)} ids, {len(vectors)} vectors, {len(payloads)} payloads and {len(keys)} keys")
         if len(ids) and vectors.shape[1] != self.dim:
             raise ValueError(f"vectors have dim {vectors.shape[1]}, the index has {self.dim}")
-        for i, v, p in zip(ids, vectors, payloads):
+        for i, v, p, key in zip(ids, vectors, payloads, keys):
             row = self._row_of.get(i)
             if row is None:
                 row = self._row_of[i] = self._n
@@ -74,6 +99,17 @@ class ReplicaIndex:
                 self._payload[row] = p
             self._rows_of_question.setdefault(p[3], set()).add(row)
             self._vectors[row] = v
+            # a key of KEY_CHARS characters may have been cut by the store: its vector is of the uncut text
+            if self.key_text is not None and key is not None and len(key) < KEY_CHARS:
+                self._row_of_key[_digest(self.key_text(key))] = row
+
+    def key_vectors(self, texts: Sequence[str]) -> list[np.ndarray | None]:
+        """Per text, the stored vector of a key whose embedded text equals the text's, else None (always None
+        without ``key_text``)."""
+        if self.key_text is None:
+            return [None] * len(texts)
+        rows = [self._row_of_key.get(_digest(self.key_text(t))) for t in texts]
+        return [None if r is None else self._vectors[r].copy() for r in rows]
 
     def search(
         self, vectors: np.ndarray, top_k: int = 3, question_filter: Sequence[tuple[str, str] | None] | None = None

@@ -12,6 +12,7 @@ import random
 from dataclasses import asdict
 from typing import Sequence
 
+import numpy as np
 from ray import serve
 
 from rapo_ray.agent.retriever import RetrievalFailed, RetrievedStep, question_filter
@@ -64,8 +65,14 @@ class StepRetrieverService:
             cache_size=embed_cache_size,
         )
         self.store = MilvusStepStore(uri, collection, self.embedder.dim, token=token, create=True)
-        # Searches go to an in-memory copy (exact, milliseconds) or to Milvus's HNSW index.
-        self.index = ReplicaIndex.from_store(self.store) if search_on == "replica" else None
+        # Searches go to an in-memory copy (exact, milliseconds) or to Milvus's HNSW index. The copy also hands
+        # back the stored vector of a query that equals a stored key, instead of embedding it again.
+        self.index = (
+            ReplicaIndex.from_store(self.store, key_text=self.embedder.embedded_text)
+            if search_on == "replica"
+            else None
+        )
+        self.key_hits = 0
         self.top_k = top_k
         self.batching = batching
         self._batched.set_max_batch_size(max_batch_size)
@@ -78,7 +85,7 @@ class StepRetrieverService:
             owners.extend([k] * len(queries))
         if not flat:
             return [[] for _ in items]
-        vectors = self.embedder.embed(flat)
+        vectors = self._vectors(flat)
         top = max(t for _, t, _ in items)
         filters = []
         for queries, _, scope in items:
@@ -88,6 +95,24 @@ class StepRetrieverService:
         for owner, row in zip(owners, hits):
             out[owner].append([_as_dict(h) for h in row[: items[owner][1]]])
         return out
+
+    def _vectors(self, texts: list[str]) -> np.ndarray:
+        """[N, dim] query vectors: a stored key's vector where the query equals one, else the embedder's."""
+        known = self.index.key_vectors(texts) if self.index is not None else [None] * len(texts)
+        todo = [i for i, v in enumerate(known) if v is None]
+        out = np.zeros((len(texts), self.embedder.dim), dtype=np.float32)
+        for i, v in enumerate(known):
+            if v is not None:
+                out[i] = v
+        if todo:
+            out[todo] = self.embedder.embed([texts[i] for i in todo])
+        self.key_hits += len(texts) - len(todo)
+        return out
+
+    def embed_stats(self) -> dict:
+        """How this replica's query vectors were made so far: from a stored key, from its cache, embedded."""
+        e = self.embedder
+        return {"key_hits": self.key_hits, "cache_hits": e.cache_hits, "embedded": e.cache_misses}
 
     @serve.batch(max_batch_size=256, batch_wait_timeout_s=0.1)
     async def _batched(self, items: list[tuple[list[str], int, list | None]]) -> list[list[list[dict]]]:

@@ -32,6 +32,7 @@ log = logging.getLogger("rapo_ray.retrieval")
 HNSW = {"M": 32, "efConstruction": 200}
 SEARCH_EF = 128
 MAX_TEXT = 16384
+KEY_CHARS = MAX_TEXT // 4  # a stored key keeps its last KEY_CHARS characters
 
 
 class StoreError(RuntimeError):
@@ -101,7 +102,7 @@ def step_rows(steps: Sequence[StoredStep], vectors: np.ndarray) -> list[dict]:
         {
             "id": step_id(s),
             "vector": v.astype(np.float32).tolist(),
-            "key": s.key[-MAX_TEXT // 4 :],
+            "key": s.key[-KEY_CHARS:],
             "value": s.value[: MAX_TEXT // 4],
             "value_ids": json.dumps(list(s.value_ids))[: MAX_TEXT - 1],
             "reward": float(s.reward),
