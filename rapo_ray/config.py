@@ -409,11 +409,12 @@ class LearnerConfig:
     )
 
     length_sorted_micro_batches: bool = _f(
-        True,
+        False,
         "Cut a rank's rows into micro-batches of rows of about the same length (padding within 10% of the real "
         "tokens; at most micro_batch_size rows each), instead of in row order. The update is the same to float "
-        "tolerance (gradients accumulate); the padded tokens are fewer. Applies to the default learner feed, not "
-        "to trainer.learner_feed=streaming_split.",
+        "tolerance (gradients accumulate); fewer tokens are padded but there are more forward/backward passes, "
+        "which costs more than it saves on the bundled model on a CPU (docs/RESULTS.md). Applies to the default "
+        "learner feed, not to trainer.learner_feed=streaming_split.",
     )
 
     def micro_rows(self, share: int) -> int:

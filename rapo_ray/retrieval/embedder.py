@@ -91,13 +91,15 @@ class Embedder:
         device: str | torch.device = "cpu",
         cache_size: int = 0,
         pad_slack: float | None = None,
+        last_position_only: bool = True,
     ):
         """``device``: where MiniLM runs (``auto``: the GPU where one is visible). Vectors come back as numpy
         float32 whatever the device, and equal the CPU's to float tolerance (fp32 on every device).
         ``cache_size``: vectors of that many recent texts are kept and reused (0: none). ``pad_slack``: a
         sub-batch of length-sorted texts grows while its padded size stays within (1 + slack) x its real tokens
         (None: 0.1 on a CPU, where padding costs its full compute; unlimited on a GPU, where batch size matters
-        more)."""
+        more). ``last_position_only``: with last-token pooling, run the last layer for the last position only (the
+        same vectors to float tolerance; False runs MiniLM whole, for ``benchmarks/bench_embedder.py``)."""
         from rapo_ray.devices import parse_device
 
         if pooling not in ("last", "mean"):
@@ -112,7 +114,7 @@ class Embedder:
         self.model = AutoModel.from_pretrained(str(path)).eval().to(self.device)
         # last-token pooling: the model runs all layers but the last; ``last_position_of_layer`` finishes it
         self._last_layer = None
-        if pooling == "last":
+        if pooling == "last" and last_position_only:
             self._last_layer = self.model.encoder.layer[-1]
             self.model.encoder.layer = self.model.encoder.layer[:-1]
         self.pooling, self.max_chars, self.max_length, self.batch_size = pooling, max_chars, max_length, batch_size
@@ -175,6 +177,8 @@ class Embedder:
             hidden = self.model(**batch, position_ids=positions).last_hidden_state
             if self._last_layer is not None:  # left padding: the last position is every row's last real token
                 vec = last_position_of_layer(self._last_layer, hidden, batch["attention_mask"])
+            elif self.pooling == "last":
+                vec = hidden[:, -1, :]
             else:
                 m = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
                 vec = (hidden * m).sum(1) / m.sum(1).clamp(min=1)
