@@ -190,6 +190,9 @@ def autoscale(timeout: float) -> dict:
 def _cluster(tmp: str):
     os.environ.update(ENV)  # before Ray is imported: it reads the auth mode once
     os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    # Cluster writes the head's address to <Ray temp root>/ray/ray_current_cluster whatever temp_dir says; without
+    # this it would be the machine's /tmp/ray (missing on a fresh machine, and a running cluster's file to clobber).
+    os.environ["RAY_TMPDIR"] = tmp
     import ray
     from ray.cluster_utils import Cluster
 
