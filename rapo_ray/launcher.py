@@ -22,6 +22,7 @@ from rapo_ray import ray_reaper
 from rapo_ray.algos.registry import get_algorithm
 from rapo_ray.checkpoints import newest_complete
 from rapo_ray.config import Config, ConfigError, diff_configs, from_dict, save_config
+from rapo_ray.devices import machine_record
 from rapo_ray.learner import LearnerLost
 from rapo_ray.model import set_torch_threads
 from rapo_ray.net import free_port
@@ -397,6 +398,7 @@ def run(cfg: Config, log=print) -> dict:
             "after": after,
             "paired_change": change,
             "mean_step_s": metrics.mean("step_s"),
+            "machine": machine_record(),
         }
         (run_dir.path / "summary.json").write_text(json.dumps(summary, indent=1))
         plot_curves(run_dir.path, metrics.history)

@@ -22,6 +22,7 @@ import torch
 from rapo_ray.agent.loop import AgentLoop, LoopSettings
 from rapo_ray.agent.retriever import InMemoryStepRetriever, steps_of
 from rapo_ray.agent.trajectory import Trajectory
+from rapo_ray.devices import machine_record
 from rapo_ray.engines.expert import ScriptedExpertEngine
 from rapo_ray.envs.suite import build_tools, task_splits
 from rapo_ray.model import load_model, load_tokenizer, resolve_model_dir, save_model
@@ -221,6 +222,7 @@ def warm_start(cfg, log=print, force: bool = False) -> Path:
             log=log,
         )
         save_model(model, tok, out)
+        (out / "built_on.json").write_text(json.dumps(machine_record(), indent=1))
     finally:
         tools.close()
     return out

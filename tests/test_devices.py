@@ -15,6 +15,7 @@ import torch
 
 from rapo_ray.devices import (
     DeviceError,
+    machine_record,
     make_generator,
     mixed_precision_policy,
     parse_device,
@@ -40,6 +41,24 @@ def test_parse_device():
         parse_device("gpu0")
     with pytest.raises(DeviceError, match="'cuda:1': torch sees no CUDA device"):
         parse_device("cuda:1")
+
+
+def test_machine_record_names_the_cpu_its_numeric_extensions_and_the_libraries(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text(
+        "processor\t: 0\nmodel name\t: AMD EPYC 9654\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_tile\n\n"
+        "processor\t: 1\nmodel name\t: AMD EPYC 9654\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_tile\n"
+    )
+    record = machine_record(info)
+    assert record["cpu"] == "AMD EPYC 9654"
+    assert record["cpu_flags"] == ["avx2", "avx512f", "avx512_bf16", "amx_tile"]  # in NUMERIC_CPU_FLAGS' order
+    assert record["torch"] == torch.__version__ and record["cpu_count"] >= 1
+    assert record["transformers"] and record["ray"]  # installed with the package
+    assert record["gpu"] == (torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+    json.dumps(record)  # written as JSON beside warm starts and run summaries
+    # no /proc/cpuinfo (not Linux): platform's processor name or architecture, never an empty field
+    missing = machine_record(tmp_path / "absent")
+    assert missing["cpu"] and missing["cpu_flags"] == []
 
 
 def test_make_generator_follows_the_device_and_the_seed():
