@@ -33,15 +33,15 @@ MODELS = {
 
 def model_dir(name: str, artifacts: str) -> Path:
     from rapo_ray.config import load_config
-    from rapo_ray.model import ensure_bundled_model
+    from rapo_ray.model.factory import ensure_bundled_model
 
     overrides = [f"run.artifacts_dir={artifacts}"] + [f"model.{k}={v}" for k, v in MODELS[name].items()]
     return ensure_bundled_model(load_config(overrides=overrides))
 
 
 def prompts_for(tokenizer, n: int) -> list[list[int]]:
-    from rapo_ray.agent.protocol import render_prompt
     from rapo_ray.envs import tasks
+    from rapo_ray.types.protocol import render_prompt
 
     probs = tasks.generate("arith", "test", n, 7) + tasks.generate("multihop", "test", n, 7)
     return [tokenizer(render_prompt(p.question), add_special_tokens=False)["input_ids"] for p in probs[:n]]
@@ -60,7 +60,7 @@ def worker(engine_name: str, path: str, batches: list[int], new_tokens: int, rep
 
     torch.set_num_threads(1)
     from rapo_ray.engines import SamplingParams
-    from rapo_ray.model import load_model, load_tokenizer
+    from rapo_ray.model.factory import load_model, load_tokenizer
 
     tok = load_tokenizer(path)
     t0 = time.perf_counter()
@@ -152,7 +152,7 @@ def main() -> int:
     rows, report = [], {"config": vars(args), "results": {}}
     for m in args.models.split(","):
         path = model_dir(m, args.artifacts)
-        from rapo_ray.model import load_model
+        from rapo_ray.model.factory import load_model
 
         n_params = sum(p.numel() for p in load_model(path).parameters())
         per_engine = {}

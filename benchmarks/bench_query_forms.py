@@ -34,10 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from rapo_ray.agent.retriever import query_text as full_query  # noqa: E402
+from rapo_ray.agent.retriever import query_text as full_query
 
 # Query forms compared with the full history (the run's own, ``rapo_ray.agent.retriever.query_text``).
 QUERY_FORMS = ("full", "question_last_step", "last_step", "incremental")
@@ -183,9 +180,9 @@ def main() -> None:
         sys.exit(f"--run {args.run}: no config.yaml there (not a run directory)")
     torch.set_num_threads(args.threads)
 
-    from rapo_ray.model import load_tokenizer
+    from rapo_ray.model.factory import load_tokenizer
     from rapo_ray.retrieval.embedder import Embedder, preprocess
-    from rapo_ray.trainer import rl_task_pool
+    from rapo_ray.training.trainer import rl_task_pool
 
     cfg = load_run(args.run)
     checkpoints = sorted((args.run / "checkpoints").glob("step-*"))

@@ -27,7 +27,7 @@ def run_pair(cfg, model_dir, engine_name: str, schedule: str, batches: list, hyb
     from rapo_ray.agent.loop import AgentLoop, LoopSettings
     from rapo_ray.engines import make_engine
     from rapo_ray.envs.suite import build_tools
-    from rapo_ray.model import load_model_and_tokenizer, load_tokenizer
+    from rapo_ray.model.factory import load_model_and_tokenizer, load_tokenizer
     from rapo_ray.retrieval.search_index import search_index_for
 
     cfg.rollout.engine = engine_name
@@ -95,10 +95,10 @@ def main() -> int:
     from rapo_ray.agent.retriever import InMemoryStepRetriever, steps_of
     from rapo_ray.config import load_config
     from rapo_ray.envs.suite import build_tools
-    from rapo_ray.model import load_tokenizer, set_torch_threads
+    from rapo_ray.model.factory import load_tokenizer, set_torch_threads
+    from rapo_ray.pipelines.sft import expert_trajectories, warm_start
     from rapo_ray.retrieval.search_index import search_index_for
-    from rapo_ray.sft import expert_trajectories, warm_start
-    from rapo_ray.trainer import rl_task_pool
+    from rapo_ray.training.trainer import rl_task_pool
 
     set_torch_threads(1)
     cfg = load_config(overrides=[f"run.artifacts_dir={args.artifacts}"] + args.overrides)

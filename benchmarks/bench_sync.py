@@ -8,7 +8,7 @@ of rollout workers (torch engine; ``--engine vllm`` for the default job's) on a 
 them. Per worker count: one push to form the group, then ``--pushes`` timed pushes (``WeightSync.push``: the driver's wall time from the call to every engine
 having loaded the weights), and the bound: the same bytes (model bytes x workers, what sync rank 0 sends) from one
 process to another through one loopback TCP socket, measured right after. Each learner rank sends its own FSDP
-rows (rapo_ray/sync.py); ``pack`` is learner rank 0's time copying its rows into the staging buffers, ``send`` its
+rows (rapo_ray/workers/sync.py); ``pack`` is learner rank 0's time copying its rows into the staging buffers, ``send`` its
 time waiting for the sends to end. Writes JSON (``--out``) and prints a table.
 """
 
@@ -80,11 +80,11 @@ def ladder_rung(
     import ray
 
     from rapo_ray.config import load_config
-    from rapo_ray.launcher import init_ray
-    from rapo_ray.learner import LearnerGroup
-    from rapo_ray.model import ensure_bundled_model
-    from rapo_ray.rollout import RolloutFleet
-    from rapo_ray.sync import WeightSync
+    from rapo_ray.launch.launcher import init_ray
+    from rapo_ray.model.factory import ensure_bundled_model
+    from rapo_ray.workers.learner import LearnerGroup
+    from rapo_ray.workers.rollout import RolloutFleet
+    from rapo_ray.workers.sync import WeightSync
 
     cfg = load_config(
         overrides=[

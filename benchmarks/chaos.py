@@ -75,7 +75,9 @@ class Injector:
             os.fsync(self.events.fileno())
 
     def install(self) -> None:
-        from rapo_ray import launcher, learner, rollout, trainer
+        from rapo_ray.launch import launcher
+        from rapo_ray.training import trainer
+        from rapo_ray.workers import learner, rollout
 
         inj = self
 
@@ -195,9 +197,8 @@ class Injector:
 
 def driver_main(args) -> int:
     """The job's driver with the injector installed: ``launcher.run`` on the given overrides."""
-    sys.path.insert(0, str(REPO))
     from rapo_ray.config import load_config
-    from rapo_ray.launcher import run
+    from rapo_ray.launch.launcher import run
 
     plan = json.loads(Path(args.plan).read_text())
     inj = Injector(plan, Path(args.events))
@@ -491,7 +492,6 @@ def main(argv=None) -> int:
     work = Path(args.work or tempfile.mkdtemp(prefix="rapo_chaos_"))
     work.mkdir(parents=True, exist_ok=True)
     art = Path(args.artifacts or work / "artifacts")
-    sys.path.insert(0, str(REPO))
     from rapo_ray.config import TINY_OVERRIDES, TINY_WARM_OVERRIDES
 
     overrides = [

@@ -31,12 +31,12 @@ def main() -> int:
     torch.set_num_threads(1)
     from rapo_ray.agent.loop import AgentLoop, LoopSettings
     from rapo_ray.config import load_config
-    from rapo_ray.engines.expert import ScriptedExpertEngine
     from rapo_ray.envs.loaders import gsm8k_to_trajectory_text, load_examples
     from rapo_ray.envs.rewards import score
     from rapo_ray.envs.suite import build_tools, task_splits
     from rapo_ray.envs.tools import PythonSandbox
-    from rapo_ray.model import ensure_bundled_model, load_tokenizer
+    from rapo_ray.model.factory import ensure_bundled_model, load_tokenizer
+    from rapo_ray.pipelines.expert import ScriptedExpertEngine
     from rapo_ray.retrieval.search_index import search_index_for
 
     cfg = load_config(overrides=[f"run.artifacts_dir={args.artifacts}", f"tasks.test_size={args.problems}"])

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-from rapo_ray.net import free_port  # noqa: E402
+from rapo_ray.core.net import free_port  # noqa: E402
 
 ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -142,8 +142,8 @@ def autoscale(timeout: float) -> dict:
         )
         import ray
 
-        from rapo_ray.model import ensure_bundled_model
-        from rapo_ray.rollout import RolloutFleet
+        from rapo_ray.model.factory import ensure_bundled_model
+        from rapo_ray.workers.rollout import RolloutFleet
 
         cfg = _tiny_cfg(
             f"{tmp}/artifacts",
@@ -218,8 +218,8 @@ def node_loss(timeout: float) -> dict:
             cluster.add_node(num_cpus=1, resources={"rollout_node": 1}, node_ip_address="127.0.0.1") for _ in range(3)
         ]
         cluster.wait_for_nodes()
-        from rapo_ray.model import ensure_bundled_model
-        from rapo_ray.rollout import RolloutFleet
+        from rapo_ray.model.factory import ensure_bundled_model
+        from rapo_ray.workers.rollout import RolloutFleet
 
         cfg = _tiny_cfg(
             f"{tmp}/artifacts",
@@ -278,7 +278,7 @@ def learner_loss(timeout: float) -> dict:
         cluster.add_node(num_cpus=2, resources={"rollout_node": 2}, node_ip_address="127.0.0.1")
         learner_node = cluster.add_node(num_cpus=2, resources={"learner_node": 2}, node_ip_address="127.0.0.1")
         cluster.wait_for_nodes()
-        from rapo_ray.model import ensure_bundled_model
+        from rapo_ray.model.factory import ensure_bundled_model
 
         cfg = _tiny_cfg(
             f"{tmp}/artifacts",
@@ -303,7 +303,7 @@ def learner_loss(timeout: float) -> dict:
 
         cfg = replace(cfg, model=replace(cfg.model, path=str(ensure_bundled_model(cfg))))
         ray.init(address=cluster.address, log_to_driver=False)
-        from rapo_ray import launcher
+        from rapo_ray.launch import launcher
 
         ckpts = Path(tmp) / "runs" / "learner-loss" / "checkpoints"
         lines, result = [], {}

@@ -132,8 +132,8 @@ def retrieved_wins(run_dir: Path) -> dict:
 
     from rapo_ray.config import load_config
     from rapo_ray.envs import tasks as bundled
-    from rapo_ray.model import load_tokenizer
-    from rapo_ray.sft import warm_start_dir
+    from rapo_ray.model.factory import load_tokenizer
+    from rapo_ray.pipelines.sft import warm_start_dir
 
     cfg = load_config(run_dir / "config.yaml", [])
     expert = {
@@ -175,7 +175,7 @@ def leak_flags(generated: str, retrieved: str, answer: str, expert_calls: set[st
 def paired_vs(results: list[dict], method: str, baseline: str, family: str) -> dict | None:
     """Held-out problems of ``family`` solved by ``method`` but not ``baseline`` and the reverse, pooled over the
     seeds both ran (a problem under seed s is paired with itself under seed s), with the exact sign test."""
-    from rapo_ray.evaluation import paired_change
+    from rapo_ray.agent.evaluation import paired_change
 
     by = {(r["method"], r["seed"]): r["after_problems"] for r in results if r.get("after_problems")}
     seeds = sorted({s for m, s in by if m == method} & {s for m, s in by if m == baseline})

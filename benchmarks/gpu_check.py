@@ -36,15 +36,17 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The lent GPU machine has the working tree but no install of rapo_ray (and no Ray, vLLM or Milvus): import it from
+# the tree, so `python benchmarks/gpu_check.py` runs there as it does here.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from rapo_ray.agent import protocol  # noqa: E402
-from rapo_ray.devices import make_generator, mixed_precision_policy, parse_device, shard_model  # noqa: E402
+from rapo_ray.core.devices import make_generator, mixed_precision_policy, parse_device, shard_model  # noqa: E402
 from rapo_ray.engines import SamplingParams  # noqa: E402
 from rapo_ray.engines.torch_engine import TorchEngine  # noqa: E402
 from rapo_ray.envs import tasks  # noqa: E402
+from rapo_ray.types import protocol  # noqa: E402
 
 
 class Skip(Exception):
@@ -59,7 +61,7 @@ def sync(device: torch.device) -> None:
 def build_model_dir(size: str, artifacts: str) -> Path:
     """The bundled tokenizer with a randomly initialised model of the named shape (built once under artifacts)."""
     from rapo_ray.config import load_config
-    from rapo_ray.model import ensure_bundled_model
+    from rapo_ray.model.factory import ensure_bundled_model
 
     cfg = load_config(overrides=[f"run.artifacts_dir={artifacts}", f"model.size={size}"])
     return ensure_bundled_model(cfg)
@@ -68,7 +70,7 @@ def build_model_dir(size: str, artifacts: str) -> Path:
 def load(model_dir: Path, device: torch.device, dtype=torch.float32, scale: float = 8.0):
     """The model with its embedding scaled (8x by default): random init gives near-uniform logits, and greedy
     comparisons between two correct implementations would then be decided by float noise."""
-    from rapo_ray.model import load_model
+    from rapo_ray.model.factory import load_model
 
     model = load_model(model_dir)
     with torch.no_grad():
@@ -144,9 +146,9 @@ def check_learner_update(model_dir, tok, device, state: dict) -> dict:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from rapo_ray.algos import PolicyLossConfig, policy_loss
-    from rapo_ray.model import load_model
-    from rapo_ray.net import free_port
+    from rapo_ray.algos.loss import PolicyLossConfig, policy_loss
+    from rapo_ray.core.net import free_port
+    from rapo_ray.model.factory import load_model
 
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
@@ -199,7 +201,7 @@ def check_weight_load(model_dir, tok, device, state: dict, n_prompts: int, new_t
     """The learner's updated weights into the engine (tied lm_head left out, as the sync sends them)."""
     if not state:
         raise Skip("the learner update did not run")
-    from rapo_ray.model import load_model
+    from rapo_ray.model.factory import load_model
 
     updated = load_model(model_dir).to(device).eval()
     updated.load_state_dict(state)
@@ -219,7 +221,7 @@ def check_vllm(model_dir, tok, device, state: dict, n_prompts: int, new_tokens: 
 
     if not vllm_available():
         raise Skip("vLLM does not import here")
-    from rapo_ray.model import load_model
+    from rapo_ray.model.factory import load_model
 
     engine = VLLMEngine(model_dir, dtype="float32", max_model_len=1024, gpu_memory_utilization=0.3)
     try:
@@ -390,7 +392,7 @@ def main(argv=None) -> int:
     batches = [2, 4] if quick else [16, 64, 256]
     bench_tokens = 8 if quick else 128
 
-    from rapo_ray.model import load_tokenizer
+    from rapo_ray.model.factory import load_tokenizer
 
     model_dir = build_model_dir(size, args.artifacts)
     tok = load_tokenizer(model_dir)

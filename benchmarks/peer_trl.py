@@ -90,11 +90,11 @@ def trl_worker(args, model_dir: str, repeat: int) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rapo_ray.agent import protocol
     from rapo_ray.config import load_config
     from rapo_ray.envs.rewards import score
     from rapo_ray.envs.suite import task_splits
-    from rapo_ray.model import load_model, load_tokenizer
+    from rapo_ray.model.factory import load_model, load_tokenizer
+    from rapo_ray.types import protocol
 
     cfg = load_config(overrides=common_overrides(args))
     tok = load_tokenizer(model_dir)
@@ -204,7 +204,7 @@ def main() -> int:
         raise SystemExit("TRL is not installed: pip install -e '.[peer]'") from None
 
     from rapo_ray.config import load_config
-    from rapo_ray.sft import warm_start
+    from rapo_ray.pipelines.sft import warm_start
 
     out = Path(args.artifacts) / "peer_trl"  # run directories and logs; the JSON report goes to --out
     out.mkdir(parents=True, exist_ok=True)

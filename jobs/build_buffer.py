@@ -15,18 +15,18 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from rapo_ray.cli import parse  # noqa: E402
+from rapo_ray.launch.cli import parse  # noqa: E402
 
 
 def main(argv=None) -> int:
     cfg, _ = parse(__doc__, argv)
     import ray
 
-    from rapo_ray.launcher import init_ray
-    from rapo_ray.retrieval.buffer import build_buffer, manifest_path
+    from rapo_ray.launch.launcher import init_ray
+    from rapo_ray.pipelines.buffer import build_buffer, manifest_path
+    from rapo_ray.pipelines.sft import warm_start
     from rapo_ray.retrieval.store import MilvusLiteServer
-    from rapo_ray.sft import warm_start
-    from rapo_ray.trainer import rl_task_pool
+    from rapo_ray.training.trainer import rl_task_pool
 
     started = init_ray(cfg)
     server = None

@@ -21,7 +21,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from rapo_ray.cli import parse  # noqa: E402
+from rapo_ray.launch.cli import parse  # noqa: E402
 
 DEFAULT_EVAL_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
 
@@ -66,7 +66,7 @@ def dataset_specs(text: str) -> list[str]:
 
 def load_datasets(cfg, specs: list[str], limit: int) -> dict[str, list]:
     from rapo_ray.envs.loaders import load_examples
-    from rapo_ray.envs.suite import task_splits, to_task
+    from rapo_ray.envs.suite import dataset_name, task_splits, to_task
 
     out = {}
     for s in specs:
@@ -76,8 +76,7 @@ def load_datasets(cfg, specs: list[str], limit: int) -> dict[str, list]:
                 out[fam] = tasks[:limit] if limit else tasks
         else:
             examples, _ = load_examples(s, limit=limit or None)
-            name = Path(s).parent.name if Path(s).name == "test.jsonl" else Path(s).stem
-            out[name] = [to_task(e) for e in examples]
+            out[dataset_name(s)] = [to_task(e) for e in examples]
     return out
 
 
@@ -85,11 +84,12 @@ def main(argv=None) -> int:
     cfg, args = parse(__doc__, argv, extra=_extra)
     import ray
 
-    from rapo_ray.agent import protocol
-    from rapo_ray.evaluation import family_result, format_table
-    from rapo_ray.launcher import init_ray
-    from rapo_ray.model import ModelLoadError, load_tokenizer, resolve_checkpoint
-    from rapo_ray.rollout import RolloutFleet
+    from rapo_ray.agent.evaluation import family_result, format_table
+    from rapo_ray.core.errors import ModelLoadError
+    from rapo_ray.launch.launcher import init_ray
+    from rapo_ray.model.factory import load_tokenizer, resolve_checkpoint
+    from rapo_ray.types import protocol
+    from rapo_ray.workers.rollout import RolloutFleet
 
     try:
         model_dir = resolve_checkpoint(args.checkpoint)

@@ -17,7 +17,7 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from rapo_ray.cli import parse  # noqa: E402
+from rapo_ray.launch.cli import parse  # noqa: E402
 
 
 def _extra(parser):
@@ -36,9 +36,8 @@ def main(argv=None) -> int:
     import ray
     from ray import serve
 
-    from rapo_ray.config import ConfigError
-    from rapo_ray.launcher import init_ray
-    from rapo_ray.model import ModelLoadError
+    from rapo_ray.core.errors import ConfigError, ModelLoadError
+    from rapo_ray.launch.launcher import init_ray
     from rapo_ray.serving.app import build_agent_app
 
     try:

@@ -14,7 +14,7 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from rapo_ray.cli import parse  # noqa: E402
+from rapo_ray.launch.cli import parse  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -35,12 +35,12 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(cfg.rollout.threads_per_worker)
+    from rapo_ray.agent.evaluation import evaluate, format_table
     from rapo_ray.engines.torch_engine import TorchEngine
     from rapo_ray.envs.suite import build_tools, task_splits
-    from rapo_ray.evaluation import evaluate, format_table
-    from rapo_ray.model import load_model, load_tokenizer
+    from rapo_ray.model.factory import load_model, load_tokenizer
+    from rapo_ray.pipelines.sft import warm_start
     from rapo_ray.retrieval.search_index import search_index_for
-    from rapo_ray.sft import warm_start
 
     t0 = time.perf_counter()
     path = warm_start(cfg, force=args.force)

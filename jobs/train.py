@@ -9,7 +9,7 @@ import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from rapo_ray.cli import train_main  # noqa: E402
+from rapo_ray.launch.cli import train_main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(train_main())

@@ -1,10 +1,12 @@
-"""Check that imports inside ``rapo_ray`` point one way: a module may import its own layer or a lower one.
+"""Check that ``rapo_ray``'s folders are layers: every import points down or sideways, and no imports go in a circle.
 
-    python scripts/check_layers.py        # prints every upward import and exits 1 if there is one
+    python scripts/check_layers.py        # prints each upward import and each circle; exits 1 if there is one
 
-Every ``import``/``from ... import`` of a ``rapo_ray`` module counts, function-local ones included. Each
-module belongs to the layer of the longest prefix in ``LAYERS`` that matches its dotted name; a module that
-matches none is an error too (a new module must be placed). docs/ARCHITECTURE.md explains the layers.
+Each folder under ``rapo_ray/`` is one layer (``LAYERS``, bottom to top); a module may import its own layer or a
+lower one. Every ``import`` / ``from ... import`` of a ``rapo_ray`` module counts, those inside functions included.
+Sideways imports are allowed, but no set of modules may import each other in a circle. A module outside every layer
+folder (a new file straight under ``rapo_ray/``, a new folder) is an error: place it. docs/ARCHITECTURE.md explains
+the layers.
 """
 
 from __future__ import annotations
@@ -15,58 +17,31 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Bottom to top.
-LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    (
-        "foundation",
-        (
-            "rapo_ray",
-            "rapo_ray.net",
-            "rapo_ray.config",
-            "rapo_ray.devices",
-            "rapo_ray.metrics",
-            "rapo_ray.checkpoints",
-            "rapo_ray.agent.protocol",
-            "rapo_ray.algos",
-        ),
-    ),
-    (
-        "types",
-        (
-            "rapo_ray.agent",
-            "rapo_ray.agent.trajectory",
-            "rapo_ray.agent.environment",
-            "rapo_ray.agent.retriever",
-            "rapo_ray.envs.tasks",
-            "rapo_ray.batch",
-        ),
-    ),
-    ("engines", ("rapo_ray.engines",)),
-    ("agent loop", ("rapo_ray.agent.loop", "rapo_ray.evaluation")),
-    (
-        "environments and models",
-        (
-            "rapo_ray.envs",
-            "rapo_ray.model",
-            "rapo_ray.retrieval.embedder",
-            "rapo_ray.retrieval.store",
-            "rapo_ray.retrieval.replica_index",
-        ),
-    ),
-    ("pipelines and services", ("rapo_ray.sft", "rapo_ray.retrieval", "rapo_ray.data_flow", "rapo_ray.serving")),
-    ("actors", ("rapo_ray.rollout", "rapo_ray.learner", "rapo_ray.sync")),
-    ("trainer", ("rapo_ray.trainer", "rapo_ray.reporting", "rapo_ray.sinks")),
-    ("launcher", ("rapo_ray.launcher", "rapo_ray.plan", "rapo_ray.cli", "rapo_ray.ray_reaper")),
+# Bottom to top. Folders on one line are one layer (they may import each other, but not in a circle).
+LAYERS: list[tuple[str, ...]] = [
+    ("core",),  # errors, loopback networking, devices, metric reduction
+    ("algos",),  # the learning signal: pure torch, and the algorithm registry
+    ("config",),  # typed configuration (validates the algorithm through the registry)
+    ("types",),  # tag protocol, trajectories, the environment protocol, the learner batch
+    ("envs", "engines"),  # tasks, tools, rewards, data loaders | inference engines
+    ("model", "agent"),  # model and tokenizer loading | the multi-turn agent loop and evaluation
+    ("retrieval",),  # embedder, Milvus store, search indexes, the Serve retrieval deployment
+    ("pipelines", "serving"),  # scripted expert, warm start, step buffer | serving the trained agent
+    ("workers",),  # Ray actors: rollout fleet, learner group, weight sync
+    ("training",),  # the RL step (Trainer), its Ray Data stage, checkpoints, reporting
+    ("launch",),  # the Ray topology of a run, resource plans, the command line
 ]
 
 
 def layer_of(module: str) -> int | None:
-    best, best_len = None, -1
-    for rank, (_, prefixes) in enumerate(LAYERS):
-        for p in prefixes:
-            if (module == p or module.startswith(p + ".")) and len(p) > best_len:
-                best, best_len = rank, len(p)
-    return best
+    """The layer of a ``rapo_ray`` module: its first folder's; the package itself is the bottom."""
+    parts = module.split(".")
+    if parts == ["rapo_ray"]:
+        return 0
+    for rank, folders in enumerate(LAYERS):
+        if len(parts) >= 2 and parts[1] in folders:
+            return rank
+    return None
 
 
 def module_name(path: Path) -> str:
@@ -99,24 +74,82 @@ def imported_modules(tree: ast.AST, package: str) -> list[tuple[int, str]]:
     return out
 
 
-def main() -> int:
-    problems = []
+def import_graph() -> dict[str, dict[str, int]]:
+    """module -> {imported module: first line}, for every module under rapo_ray/."""
+    graph: dict[str, dict[str, int]] = {}
     for path in sorted((ROOT / "rapo_ray").rglob("*.py")):
         name = module_name(path)
-        src = layer_of(name)
-        if src is None:
-            problems.append(f"{name}: in no layer (add it to LAYERS in scripts/check_layers.py)")
-            continue
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        edges = graph.setdefault(name, {})
         for line, target in imported_modules(ast.parse(path.read_text(), str(path)), package):
+            if target != name:
+                edges.setdefault(target, line)
+    return graph
+
+
+def circles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Strongly connected sets of two or more modules (Tarjan), each sorted; a module importing itself is not one."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, {}):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            members = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                members.append(w)
+                if w == v:
+                    break
+            if len(members) > 1:
+                found.append(sorted(members))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def main() -> int:
+    sys.setrecursionlimit(10_000)
+    graph = import_graph()
+    problems = []
+    for name, edges in sorted(graph.items()):
+        src = layer_of(name)
+        path = ROOT / Path(*name.split("."))
+        shown = path.with_suffix(".py") if path.with_suffix(".py").is_file() else path / "__init__.py"
+        if src is None:
+            problems.append(f"{name}: in no layer folder (move it into one, or add its folder to LAYERS)")
+            continue
+        for target, line in sorted(edges.items()):
             dst = layer_of(target)
             if dst is not None and dst > src:
                 problems.append(
-                    f"{path.relative_to(ROOT)}:{line}: {name} ({LAYERS[src][0]}) imports {target} ({LAYERS[dst][0]})"
+                    f"{shown.relative_to(ROOT)}:{line}: {name} ({'/'.join(LAYERS[src])}) imports {target} "
+                    f"({'/'.join(LAYERS[dst])}), a higher layer"
                 )
+    loops = circles(graph)
+    for members in loops:
+        ties = [f"{a} -> {b}" for a in members for b in graph[a] if b in members]
+        problems.append(f"circle of {len(members)} modules: {'; '.join(ties)}")
     for p in problems:
         print(p)
-    print(f"layers: {len(problems)} upward import(s)" if problems else "layers: every import points down or sideways")
+    n_up = len(problems) - len(loops)
+    print(f"layers: {len(graph)} modules, {sum(map(len, graph.values()))} imports, {n_up} upward, {len(loops)} circles")
     return 1 if problems else 0
 
 

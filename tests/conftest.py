@@ -44,12 +44,12 @@ def tiny_warm_artifacts(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tiny_cfg):
-    from rapo_ray.model import ensure_bundled_model
+    from rapo_ray.model.factory import ensure_bundled_model
 
     path = ensure_bundled_model(tiny_cfg)
     # Random init gives near-uniform logits; scale them so greedy choices are well separated and
     # engine comparisons are not decided by float noise.
-    from rapo_ray.model import load_model, load_tokenizer, save_model
+    from rapo_ray.model.factory import load_model, load_tokenizer, save_model
 
     model = load_model(path)
     with torch.no_grad():
@@ -62,7 +62,7 @@ def tiny_model_dir(tiny_cfg):
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_dir):
-    from rapo_ray.model import load_tokenizer
+    from rapo_ray.model.factory import load_tokenizer
 
     return load_tokenizer(tiny_model_dir)
 
@@ -102,7 +102,7 @@ def serve_url(ray_session):
     """Ray Serve's HTTP proxy on a free loopback port, started once for the suite; apps add routes under it."""
     from ray import serve
 
-    from rapo_ray.net import free_port
+    from rapo_ray.core.net import free_port
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

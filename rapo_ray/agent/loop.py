@@ -24,14 +24,15 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
-from rapo_ray.agent import protocol
-from rapo_ray.agent.environment import Environment, ToolResult
-from rapo_ray.agent.retriever import RetrievalFailed, StepRetriever, query_text
-from rapo_ray.agent.trajectory import HYBRID, ON_POLICY, Retrieval, Task, Trajectory
+from rapo_ray.agent.retriever import StepRetriever, query_text
 from rapo_ray.algos.arpo import BranchBudget, EntropyBrancher, normalized_segment_entropy
 from rapo_ray.algos.entropy import GENERATED, RETRIEVED, TOOL_RESULT
 from rapo_ray.algos.registry import get_algorithm
+from rapo_ray.core.errors import RetrievalFailed
 from rapo_ray.engines.base import InferenceEngine, SamplingParams
+from rapo_ray.types import protocol
+from rapo_ray.types.environment import Environment, ToolResult
+from rapo_ray.types.trajectory import HYBRID, ON_POLICY, Retrieval, Task, Trajectory
 
 _TOOL_TAGS = {protocol.PYTHON[1]: "python", protocol.SEARCH[1]: "search"}
 _OPEN_TAGS = {"python": protocol.PYTHON[0], "search": protocol.SEARCH[0]}

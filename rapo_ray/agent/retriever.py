@@ -17,8 +17,8 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
-from rapo_ray.agent.trajectory import Trajectory
 from rapo_ray.algos.entropy import GENERATED
+from rapo_ray.types.trajectory import Trajectory
 
 
 @dataclass
@@ -40,11 +40,6 @@ class RetrievedStep:
     reward: float = 0.0
     question_id: str = ""
     noise: bool = False
-
-
-class RetrievalFailed(RuntimeError):
-    """The retrieval service did not answer (a replica died, a timeout). The loop gives the slot a policy step
-    instead and counts it (``Trajectory.retrieval_errors``): a rollout never fails for a retrieval."""
 
 
 class StepRetriever(Protocol):

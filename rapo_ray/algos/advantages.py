@@ -74,16 +74,3 @@ def grpo_outcome_advantage(
         [B] advantage per trajectory.
     """
     return group_zscore(rewards, group_ids, divide_by_std=norm_by_std, eps=eps)
-
-
-def broadcast_to_tokens(advantage: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Give every loss token of trajectory i the advantage of trajectory i.
-
-    Args:
-        advantage: [B] per-trajectory advantage.
-        loss_mask: [B, T] 1 on policy-generated tokens, 0 on prompt padding, tool results, retrieved steps.
-
-    Returns:
-        [B, T] token advantages, exactly 0 where ``loss_mask`` is 0.
-    """
-    return advantage[:, None].to(torch.float32) * loss_mask.to(torch.float32)

@@ -12,8 +12,6 @@ import random
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import torch
-
 
 def normalized_segment_entropy(
     token_entropy: Sequence[float], first_k: int = 20, vocab_size: int | None = None
@@ -150,39 +148,3 @@ def shared_prefix_token_owner(
     for i in range(n):
         resolve(i)
     return owner
-
-
-def hard_advantage_attribution(
-    advantages: torch.Tensor,
-    parents: Sequence[int | None],
-    branch_points: Sequence[int],
-    loss_mask: torch.Tensor,
-) -> torch.Tensor:
-    """ARPO's hard attribution: a token shared by d branches gets ``(1/d) sum_i A_i`` over those branches.
-
-    Args:
-        advantages: [B] per-trajectory advantage of one group (or several groups whose trees are disjoint).
-        parents, branch_points: the branching tree (see ``shared_prefix_token_owner``).
-        loss_mask: [B, T] right-padded; row lengths are taken as the last nonzero-or-padded position of
-            the tree description, i.e. T positions per row.
-
-    Returns:
-        [B, T] token advantages (0 where ``loss_mask`` is 0). The soft form is plain
-        ``broadcast_to_tokens`` (GRPO), ARPO's default.
-    """
-    B, T = loss_mask.shape
-    owner = shared_prefix_token_owner(parents, branch_points, [T] * B)
-    sums: dict[tuple[int, int], float] = {}
-    counts: dict[tuple[int, int], int] = {}
-    for i in range(B):
-        a = float(advantages[i])
-        for t in range(T):
-            key = owner[i][t]
-            sums[key] = sums.get(key, 0.0) + a
-            counts[key] = counts.get(key, 0) + 1
-    out = torch.zeros(B, T, dtype=torch.float32)
-    for i in range(B):
-        for t in range(T):
-            key = owner[i][t]
-            out[i, t] = sums[key] / counts[key]
-    return out * loss_mask.to(torch.float32)

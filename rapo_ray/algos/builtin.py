@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rapo_ray.algos.group import grpo_group_advantages, rapo_group_advantages
 from rapo_ray.algos.registry import Algorithm, register
+from rapo_ray.core.errors import ConfigError
 
 
 def _arpo_rollout_settings(algo_cfg) -> dict:
@@ -21,6 +22,20 @@ def _rapo_hybrid_slots(algo_cfg) -> int:
     return algo_cfg.rapo.n_hybrid
 
 
+def _arpo_validate(algo_cfg) -> None:
+    a = algo_cfg.arpo
+    if not 1 <= a.initial_rollouts <= algo_cfg.group_size:
+        raise ConfigError(f"algo.arpo.initial_rollouts ({a.initial_rollouts}) must be in [1, algo.group_size]")
+
+
+def _rapo_validate(algo_cfg) -> None:
+    r = algo_cfg.rapo
+    if not 0 <= r.n_hybrid <= algo_cfg.group_size:
+        raise ConfigError(f"algo.rapo.n_hybrid ({r.n_hybrid}) must be in [0, algo.group_size={algo_cfg.group_size}]")
+    if not 0.0 <= r.retrieve_prob <= 1.0:
+        raise ConfigError(f"algo.rapo.retrieve_prob ({r.retrieve_prob}) must be in [0, 1]")
+
+
 def _rapo_rollout_settings(algo_cfg) -> dict:
     return {
         "retrieve_prob": algo_cfg.rapo.retrieve_prob,
@@ -31,7 +46,13 @@ def _rapo_rollout_settings(algo_cfg) -> dict:
 GRPO = register(Algorithm("grpo", advantages=grpo_group_advantages))
 # ARPO's default (soft) advantage attribution is plain GRPO over the branched group (spec, ARPO section).
 ARPO = register(
-    Algorithm("arpo", advantages=grpo_group_advantages, rollout_settings=_arpo_rollout_settings, config_section="arpo")
+    Algorithm(
+        "arpo",
+        advantages=grpo_group_advantages,
+        rollout_settings=_arpo_rollout_settings,
+        validate=_arpo_validate,
+        config_section="arpo",
+    )
 )
 RAPO = register(
     Algorithm(
@@ -39,6 +60,7 @@ RAPO = register(
         advantages=rapo_group_advantages,
         hybrid_slots=_rapo_hybrid_slots,
         rollout_settings=_rapo_rollout_settings,
+        validate=_rapo_validate,
         config_section="rapo",
     )
 )

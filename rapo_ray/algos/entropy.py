@@ -33,23 +33,6 @@ def token_entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(dim=-1)
 
 
-def topk_entropy_estimate(topk_logprobs: torch.Tensor) -> torch.Tensor:
-    """Entropy estimate from the top-k logprobs an engine returns (ARPO's vLLM estimate).
-
-    ``-sum_{j in top-k} p_j log p_j``: a lower bound of the full entropy. Labelled an estimate wherever it
-    is recorded; the exact value (``token_entropy_from_logits``) comes from the learner's pass.
-
-    Args:
-        topk_logprobs: [..., k] log-probabilities of the k most likely tokens (-inf allowed for missing).
-
-    Returns:
-        [...] entropy estimate.
-    """
-    p = topk_logprobs.exp()
-    terms = torch.where(p > 0, -p * topk_logprobs, torch.zeros_like(p))
-    return terms.sum(dim=-1)
-
-
 def validate_segments(segments: Sequence[Segment], length: int) -> None:
     """Check that segments are known kinds, ordered, non-overlapping and inside ``[0, length)``."""
     prev_end = 0
@@ -78,10 +61,3 @@ def step_entropies(token_entropy: torch.Tensor, segments: Sequence[Segment]) -> 
         if kind == GENERATED:
             out.append(float(token_entropy[start:end].mean()) if end > start else 0.0)
     return out
-
-
-def batch_step_entropies(token_entropy: torch.Tensor, segment_tables: Sequence[Sequence[Segment]]) -> list[list[float]]:
-    """``step_entropies`` for each row of a batch. token_entropy: [B, T] (right-padded responses)."""
-    if token_entropy.shape[0] != len(segment_tables):
-        raise ValueError(f"{token_entropy.shape[0]} entropy rows but {len(segment_tables)} segment tables")
-    return [step_entropies(token_entropy[i], segs) for i, segs in enumerate(segment_tables)]

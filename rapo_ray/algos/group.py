@@ -92,10 +92,3 @@ def rapo_group_advantages(batch: dict, algo) -> dict:
         "retrieval_reward": z.tolist(),
         "shaping": shaping.tolist(),
     }
-
-
-def group_advantages(batch: dict, algo) -> dict:
-    """The estimator of the algorithm named ``algo.name`` (rapo_ray.algos.registry) over ``batch``."""
-    from rapo_ray.algos.registry import get_algorithm
-
-    return get_algorithm(algo.name).advantages(batch, algo)

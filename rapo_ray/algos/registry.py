@@ -7,16 +7,20 @@
   run builds the retrieval service only when this is > 0;
 - ``rollout_settings(algo_cfg) -> dict``: agent-loop settings it sets for training rollouts (RAPO's retrieval
   probability, ARPO's branching);
+- ``validate(algo_cfg)``: checks of its own config section, run by ``Config.validate`` for the running algorithm
+  only; it raises ``rapo_ray.core.errors.ConfigError`` naming the field;
 - ``config_section``: its nested config (``algo.rapo``, ``algo.arpo``), documented in ``--help``.
 
 A new algorithm is one module (its estimator) and one ``register`` call; the built-in three are in
-rapo_ray/algos/builtin.py.
+rapo_ray/algos/builtin.py, which ``rapo_ray.algos`` imports, so the registry is full once the package is imported.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from rapo_ray.core.errors import ConfigError
 
 
 def _no_hybrid_slots(algo_cfg: Any) -> int:
@@ -27,12 +31,17 @@ def _no_rollout_settings(algo_cfg: Any) -> dict:
     return {}
 
 
+def _no_checks(algo_cfg: Any) -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class Algorithm:
     name: str
     advantages: Callable[[dict, Any], dict]
     hybrid_slots: Callable[[Any], int] = _no_hybrid_slots
     rollout_settings: Callable[[Any], dict] = _no_rollout_settings
+    validate: Callable[[Any], None] = _no_checks
     config_section: str | None = None
 
 
@@ -46,17 +55,11 @@ def register(algorithm: Algorithm) -> Algorithm:
     return algorithm
 
 
-def _load_builtin() -> None:
-    import rapo_ray.algos.builtin  # noqa: F401  (registers grpo, arpo, rapo)
-
-
 def algorithm_names() -> list[str]:
-    _load_builtin()
     return sorted(_REGISTRY)
 
 
 def get_algorithm(name: str) -> Algorithm:
-    _load_builtin()
     if name not in _REGISTRY:
-        raise ValueError(f"algo.name: {name!r} is not one of {sorted(_REGISTRY)}")
+        raise ConfigError(f"algo.name: {name!r} is not one of {sorted(_REGISTRY)} (rapo_ray.algos.registry)")
     return _REGISTRY[name]

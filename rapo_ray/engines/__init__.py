@@ -6,14 +6,14 @@ from pathlib import Path
 from typing import Callable
 
 from rapo_ray.engines.base import GenerationResult, InferenceEngine, SamplingParams
+from rapo_ray.engines.torch_engine import TorchEngine
+from rapo_ray.engines.vllm_engine import VLLMEngine, vllm_available
 
 __all__ = ["GenerationResult", "InferenceEngine", "SamplingParams", "make_engine", "resolve_engine_name"]
 
 
 def resolve_engine_name(requested: str) -> str:
     """``auto`` -> ``vllm`` where vLLM imports, else ``torch``; an explicit ``vllm`` must import."""
-    from rapo_ray.engines.vllm_engine import vllm_available
-
     if requested == "auto":
         return "vllm" if vllm_available() else "torch"
     if requested == "vllm" and not vllm_available():
@@ -35,12 +35,10 @@ def make_engine(
     device: str = "cpu",
 ) -> InferenceEngine:
     """Build the configured engine on an HF model folder. ``loader(model_dir, dtype) -> (model, tokenizer)``
-    loads it for the torch engine (vLLM loads the folder itself); rapo_ray.model.load_model_and_tokenizer
+    loads it for the torch engine (vLLM loads the folder itself); rapo_ray.model.factory.load_model_and_tokenizer
     is the usual one. ``device`` places the torch engine (vLLM finds its GPU itself)."""
     name = resolve_engine_name(rollout_cfg.engine)
     if name == "vllm":
-        from rapo_ray.engines.vllm_engine import VLLMEngine
-
         return VLLMEngine(
             model_dir,
             dtype=dtype,
@@ -53,6 +51,5 @@ def make_engine(
             seed=seed,
             threads=rollout_cfg.threads_per_worker,
         )
-    from rapo_ray.engines.torch_engine import TorchEngine
 
     return TorchEngine(*loader(model_dir, dtype), device=device)

@@ -61,7 +61,7 @@ class InferenceEngine(abc.ABC):
     @abc.abstractmethod
     def load_weights(self, state_dict: dict, version: int) -> None:
         """Replace the model weights in place (full state dict, HF names) and set ``version``. Copy the tensors:
-        the weight sync reuses their memory for the next push (rapo_ray/sync.py ``receive_state``)."""
+        the weight sync reuses their memory for the next push (rapo_ray/workers/sync.py ``receive_state``)."""
 
     def submit(self, prompt: list[int], params: SamplingParams) -> Future:
         """Start one request and return at once; the future resolves to its ``GenerationResult``.

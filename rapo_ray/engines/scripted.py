@@ -3,8 +3,8 @@ model (tests, demos of tool behaviour). Step k is emitted when the conversation 
 
 from __future__ import annotations
 
-from rapo_ray.agent import protocol
 from rapo_ray.engines.base import GenerationResult, InferenceEngine
+from rapo_ray.types import protocol
 
 
 class ScriptedEngine(InferenceEngine):

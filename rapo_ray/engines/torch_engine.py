@@ -28,7 +28,7 @@ from collections import deque
 
 import torch
 
-from rapo_ray.devices import make_generator
+from rapo_ray.core.devices import make_generator
 from rapo_ray.engines.base import GenerationResult, InferenceEngine, SamplingParams
 
 _SLOT_MODEL_TYPES = ("qwen2", "llama", "mistral")

@@ -19,15 +19,13 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rapo_ray.agent.protocol import ANSWER, PYTHON, RESULT, THINK
+from rapo_ray.core.errors import DataError
+from rapo_ray.envs.rewards import math_equal
+from rapo_ray.types.protocol import ANSWER, PYTHON, RESULT, THINK
 
 MATH_SOURCES = {"gsm8k", "math500", "aime24", "aime25", "math"}
 QUESTION_KEYS = ("question", "problem", "Question")
 ANSWER_KEYS = ("answer", "Final answer", "final_answer")
-
-
-class DataError(ValueError):
-    """A data file or row that cannot be read; the message names file, row and field."""
 
 
 @dataclass(frozen=True)
@@ -188,7 +186,6 @@ def gsm8k_to_trajectory_text(solution: str, answer: str, run_python) -> tuple[st
     parts, matches = [], []
     for step in gsm8k_calc_steps(solution):
         result = run_python(f"print({step.expression})")
-        from rapo_ray.envs.rewards import math_equal
 
         matches.append(result.ok and math_equal(result.text, step.expected))
         parts.append(

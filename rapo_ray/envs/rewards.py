@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 from fractions import Fraction
 
-from rapo_ray.agent.protocol import ANSWER, PYTHON, RETRIEVE, SEARCH, THINK, extract_boxed
+from rapo_ray.types.protocol import ANSWER, PYTHON, RETRIEVE, SEARCH, THINK, extract_boxed
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = set(string.punctuation)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rapo_ray.agent.trajectory import Task
 from rapo_ray.envs import tasks as bundled
+from rapo_ray.envs.loaders import load_examples
 from rapo_ray.envs.tools import PythonSandbox, SandboxLimits, SearchTool, ToolSet
+from rapo_ray.types.trajectory import Task
 
 FAMILY_KIND = {"arith": "math", "multihop": "qa", "alias": "qa"}
 
@@ -21,12 +22,16 @@ def family_of(task_id: str) -> str:
     return task_id.split("-", 1)[0]
 
 
+def dataset_name(path: str) -> str:
+    """The family name of a data file's tasks: ``<name>/test.jsonl`` is ``name``, any other file its stem."""
+    p = Path(path)
+    return p.parent.name if p.name == "test.jsonl" else p.stem
+
+
 def task_splits(tasks_cfg) -> tuple[dict[str, list[Task]], dict[str, list[Task]]]:
     """Train and test tasks per family (bundled families, then real data files as their own families).
     Bundled training splits mix 2- and 3-step problems (the warm start needs both); the test split has
     ``tasks.difficulty`` steps (0: mixed)."""
-    from rapo_ray.envs.loaders import load_examples
-
     train, test = {}, {}
     for fam in tasks_cfg.families:
         train[fam] = [to_task(p) for p in bundled.generate(fam, "train", tasks_cfg.train_size, tasks_cfg.seed)]
@@ -40,8 +45,7 @@ def task_splits(tasks_cfg) -> tuple[dict[str, list[Task]], dict[str, list[Task]]
         train[name] = [to_task(e) for e in examples]
     for path in tasks_cfg.eval_files:
         examples, _ = load_examples(path, skip_bad_rows=tasks_cfg.skip_bad_rows, limit=tasks_cfg.eval_limit or None)
-        name = Path(path).parent.name if Path(path).name == "test.jsonl" else Path(path).stem
-        test[name] = [to_task(e) for e in examples]
+        test[dataset_name(path)] = [to_task(e) for e in examples]
     return train, test
 
 
@@ -62,7 +66,5 @@ def build_tools(tasks_cfg, rollout_cfg, search_index, max_concurrency: int = 2) 
 
 def task_difficulty(task: Task) -> int:
     """Number of tool steps the expert needs (bundled families); 0 when unknown."""
-    from rapo_ray.engines.expert import arith_plan, multihop_plan
-
-    plan = arith_plan(task.question) or multihop_plan(task.question)
+    plan = bundled.arith_plan(task.question) or bundled.multihop_plan(task.question)
     return len(plan[1]) if plan else 0

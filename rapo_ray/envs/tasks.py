@@ -10,17 +10,18 @@
   the policy seldom samples it: the family where a retrieved expert step of another question can show a move
   the policy lacks (issue 21; TASK_DESIGN_NOTES).
 
-The expert's trajectories are written in the protocol (``rapo_ray.agent.protocol``); the tool results in
+The expert's trajectories are written in the protocol (``rapo_ray.types.protocol``); the tool results in
 them come from the real tools when the agent loop replays them (issue 3), here from the generator itself.
 """
 
 from __future__ import annotations
 
 import random
+import re
 import zlib
 from dataclasses import dataclass, field
 
-from rapo_ray.agent.protocol import ANSWER, PYTHON, RESULT, SEARCH, THINK
+from rapo_ray.types.protocol import ANSWER, PYTHON, RESULT, SEARCH, THINK
 
 
 @dataclass(frozen=True)
@@ -189,3 +190,35 @@ def expert_text(problem: Problem) -> str:
         parts.append(f"{THINK[0]}{thought}{THINK[1]}{open_t}{call}{close_t}{RESULT[0]}{result}{RESULT[1]}")
     parts.append(f"{THINK[0]}done{THINK[1]}{ANSWER[0]}\\boxed{{{problem.answers[0]}}}{ANSWER[1]}")
     return "".join(parts)
+
+
+# ---------------------------------------------------------------- a question's solution path, read from its words
+
+_ARITH_OPS = re.compile(r"(buys (\d+) boxes of (\d+))|(gives away (\d+))|(finds (\d+) more)")
+_ARITH_START = re.compile(r"^\w+ has (\d+) ")
+_HOP = re.compile(r"the (\w+) of ")
+
+
+def arith_plan(question: str) -> tuple[int, list[str]] | None:
+    """(start value, python operations in order) of an arith question; None for another family."""
+    m = _ARITH_START.match(question)
+    if not m:
+        return None
+    ops = []
+    for g in _ARITH_OPS.finditer(question):
+        if g.group(1):
+            ops.append(f"+ {g.group(2)} * {g.group(3)}")
+        elif g.group(4):
+            ops.append(f"- {g.group(5)}")
+        else:
+            ops.append(f"+ {g.group(7)}")
+    return int(m.group(1)), ops
+
+
+def multihop_plan(question: str) -> tuple[str, list[str]] | None:
+    """(start entity, corpus relations in search order); an alias family's words are mapped to the corpus's."""
+    if not question.startswith("Who is "):
+        return None
+    rels = [ALIASES.get(word, word) for word in _HOP.findall(question)]
+    start = question.rstrip("?").rsplit(" of ", 1)[-1]
+    return start, list(reversed(rels))

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Sequence
 
-from rapo_ray.agent.environment import ToolResult
+from rapo_ray.core.errors import SandboxUnavailable
 from rapo_ray.envs import rewards
+from rapo_ray.types.environment import ToolResult
 
 RUNNER = Path(__file__).with_name("sandbox_runner.py")
 log = logging.getLogger("rapo_ray.sandbox")
@@ -38,10 +39,6 @@ class SandboxLimits:
     file_size_mb: float = 1.0  # RLIMIT_FSIZE: bounds stdout and any file the code writes
     work_mb: int = 16  # the call's private tmpfs (namespaces isolation): all its files together
     output_chars: int = 512  # what the model sees
-
-
-class SandboxUnavailable(RuntimeError):
-    """The machine cannot give a call the isolation asked for; the message says what is missing."""
 
 
 _PROBED: dict[tuple, str] = {}  # (euid, config) -> "" (works) or why not: probed once per process
@@ -333,7 +330,7 @@ class SearchTool:
 
 
 class ToolSet:
-    """The agent's ``Environment`` (rapo_ray/agent/environment.py): the tools by tag name, with a shared pool so
+    """The agent's ``Environment`` (rapo_ray/types/environment.py): the tools by tag name, with a shared pool so
     calls in one batch run concurrently, and the reward rules of rapo_ray.envs.rewards."""
 
     def __init__(self, python: PythonSandbox | None = None, search: SearchTool | None = None, max_concurrency: int = 4):

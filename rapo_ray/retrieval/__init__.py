@@ -1,1 +1,1 @@
-"""Step-trace retrieval: MiniLM embedder, Milvus store, Ray Serve deployment, buffer builder."""
+"""Step-trace retrieval: MiniLM embedder, Milvus store, search indexes and the Ray Serve deployment that answers in batches."""

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from rapo_ray.batch import length_sorted_groups
+from rapo_ray.core.devices import parse_device
+from rapo_ray.types.batch import length_sorted_groups
 
 DIM = 384
 # Bumped whenever the vectors for a given text change; stored step buffers record it (retrieval.buffer).
@@ -100,8 +101,6 @@ class Embedder:
         (None: 0.1 on a CPU, where padding costs its full compute; unlimited on a GPU, where batch size matters
         more). ``last_position_only``: with last-token pooling, run the last layer for the last position only (the
         same vectors to float tolerance; False runs MiniLM whole, for ``benchmarks/bench_embedder.py``)."""
-        from rapo_ray.devices import parse_device
-
         if pooling not in ("last", "mean"):
             raise ValueError(f"pooling must be 'last' or 'mean', got {pooling!r}")
         self.device = parse_device(device)

@@ -15,7 +15,12 @@ from typing import Sequence
 import numpy as np
 from ray import serve
 
-from rapo_ray.agent.retriever import RetrievalFailed, RetrievedStep, question_filter
+from rapo_ray.agent.retriever import RetrievedStep, StoredStep, question_filter
+from rapo_ray.core.devices import pick_device
+from rapo_ray.core.errors import RetrievalFailed
+from rapo_ray.retrieval.embedder import Embedder
+from rapo_ray.retrieval.replica_index import ReplicaIndex
+from rapo_ray.retrieval.store import MilvusStepStore, step_rows
 
 log = logging.getLogger("rapo_ray.retrieval")
 
@@ -51,10 +56,6 @@ class StepRetrieverService:
         import torch
 
         torch.set_num_threads(1)
-        from rapo_ray.devices import pick_device
-        from rapo_ray.retrieval.embedder import Embedder
-        from rapo_ray.retrieval.replica_index import ReplicaIndex
-        from rapo_ray.retrieval.store import MilvusStepStore
 
         if search_on not in ("replica", "milvus"):
             raise ValueError(f"retrieval.search_on={search_on!r}; valid: replica, milvus")
@@ -135,9 +136,6 @@ class StepRetrieverService:
     def insert(self, steps: list[dict]) -> int:
         """Embed and upsert steps (``StoredStep`` fields) into the buffer: RAPO's optional insertion of
         successful on-policy steps during training. Idempotent: a step already stored is not added twice."""
-        from rapo_ray.agent.retriever import StoredStep
-        from rapo_ray.retrieval.store import step_rows
-
         stored = [StoredStep(**s) for s in steps]
         if not stored:
             return 0

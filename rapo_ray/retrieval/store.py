@@ -18,14 +18,14 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
 from rapo_ray.agent.retriever import RetrievedStep, StoredStep
-from rapo_ray.net import free_port
+from rapo_ray.core.errors import StoreError
+from rapo_ray.core.net import free_port
 
 log = logging.getLogger("rapo_ray.retrieval")
 
@@ -33,10 +33,6 @@ HNSW = {"M": 32, "efConstruction": 200}
 SEARCH_EF = 128
 MAX_TEXT = 16384
 KEY_CHARS = MAX_TEXT // 4  # a stored key keeps its last KEY_CHARS characters
-
-
-class StoreError(RuntimeError):
-    """Milvus unreachable, or a collection that does not match what the caller expects."""
 
 
 def step_id(step: StoredStep) -> str:
@@ -112,12 +108,6 @@ def step_rows(steps: Sequence[StoredStep], vectors: np.ndarray) -> list[dict]:
         }
         for s, v in zip(steps, vectors)
     ]
-
-
-@dataclass
-class StoreStats:
-    rows: int
-    dim: int
 
 
 class MilvusStepStore:

@@ -30,10 +30,23 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
+from rapo_ray.agent.loop import AgentLoop, LoopSettings
 from rapo_ray.algos.entropy import GENERATED
-from rapo_ray.config import Config, ConfigError, from_dict, load_config, to_dict
-from rapo_ray.devices import pick_device, set_deterministic
-from rapo_ray.model import context_length, load_model_and_tokenizer, resolve_checkpoint
+from rapo_ray.config import Config, from_dict, load_config, to_dict
+from rapo_ray.core.devices import pick_device, set_deterministic
+from rapo_ray.core.errors import ConfigError
+from rapo_ray.engines import make_engine
+from rapo_ray.engines.vllm_engine import vllm_available
+from rapo_ray.envs.suite import build_tools
+from rapo_ray.model.factory import (
+    context_length,
+    load_model_and_tokenizer,
+    load_tokenizer,
+    resolve_checkpoint,
+    set_torch_threads,
+)
+from rapo_ray.retrieval.search_index import search_index_for
+from rapo_ray.serving.batching import BatchingEngine
 from rapo_ray.serving.chat import (
     FINISH_REASON,
     BadRequest,
@@ -45,6 +58,8 @@ from rapo_ray.serving.chat import (
     tool_trace,
     usage,
 )
+from rapo_ray.types import protocol
+from rapo_ray.types.trajectory import Task
 
 api = FastAPI(title="rapo_ray agent", docs_url=None, redoc_url=None)
 
@@ -69,8 +84,6 @@ def _make_engine(sc, cfg: Config, model_dir: str, tokenizer):
         if not fn:
             raise ConfigError(f"serve.engine_factory={sc.engine_factory!r} must be 'module:function'")
         return getattr(importlib.import_module(module), fn)(model_dir, tokenizer, **sc.engine_kwargs)
-    from rapo_ray.engines import make_engine
-    from rapo_ray.engines.vllm_engine import vllm_available
 
     device = pick_device(sc.num_gpus, "serve.num_gpus")
     name = sc.engine
@@ -88,9 +101,6 @@ def _make_engine(sc, cfg: Config, model_dir: str, tokenizer):
 
 def _make_tools(cfg: Config):
     """Python sandbox + search over the corpus (tasks.search_backend: lexical, or a Milvus collection)."""
-    from rapo_ray.envs.suite import build_tools
-    from rapo_ray.retrieval.search_index import search_index_for
-
     index = search_index_for(cfg.tasks, cfg.retrieval.milvus_token)
     return build_tools(cfg.tasks, cfg.rollout, search_index=index, max_concurrency=cfg.serve.tool_concurrency)
 
@@ -106,10 +116,6 @@ class AgentServer:
     """One replica: the engine, the tools and the conversations. Called only by ``AgentRouter``."""
 
     def __init__(self, model_dir: str, cfg_dict: dict, model_name: str):
-        from rapo_ray.agent import protocol
-        from rapo_ray.model import load_tokenizer, set_torch_threads
-        from rapo_ray.serving.batching import BatchingEngine
-
         set_torch_threads(max(1, int(os.environ.get("RAPO_SERVE_THREADS", "1"))))
         self.cfg: Config = from_dict(cfg_dict)
         set_deterministic(self.cfg.run.deterministic)
@@ -217,8 +223,6 @@ class AgentServer:
     # ------------------------------------------------------------ the agent loop
 
     def _task(self, req: ChatRequest):
-        from rapo_ray.agent.trajectory import Task
-
         task = Task(
             id=req.id, question=req.messages[-1]["content"], answers=(), kind="qa", messages=tuple(req.messages)
         )
@@ -234,8 +238,6 @@ class AgentServer:
         return task
 
     def _loop(self, req: ChatRequest, on_append=None):
-        from rapo_ray.agent.loop import AgentLoop, LoopSettings
-
         sc = self.cfg.serve
         settings = LoopSettings(
             temperature=req.temperature,

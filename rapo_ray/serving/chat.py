@@ -13,8 +13,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from rapo_ray.agent import protocol
+from rapo_ray.agent.loop import AgentLoop
 from rapo_ray.algos.entropy import GENERATED, RETRIEVED, TOOL_RESULT
+from rapo_ray.types import protocol
 
 ROLES = ("system", "user", "assistant")
 _ANSWER = re.compile(re.escape(protocol.ANSWER[0]) + r"(.*?)" + re.escape(protocol.ANSWER[1]), re.S)
@@ -204,8 +205,6 @@ def answer_of(generated: str) -> str:
 
 def tool_trace(segments: list[tuple[str, str]]) -> list[dict]:
     """Each tool call with its input and output: a generated step ending in a tool tag, then its result."""
-    from rapo_ray.agent.loop import AgentLoop
-
     trace = []
     for (kind, text), nxt in zip(segments, segments[1:] + [("", "")]):
         if kind != GENERATED:

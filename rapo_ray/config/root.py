@@ -1,0 +1,66 @@
+"""The whole configuration: one section per part of the system, and the checks that span sections."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from rapo_ray.algos.registry import algorithm_names, get_algorithm
+from rapo_ray.config.sections import (
+    AlgoConfig,
+    CheckpointConfig,
+    LearnerConfig,
+    ModelConfig,
+    ResourcesConfig,
+    RetrievalConfig,
+    RolloutConfig,
+    RunConfig,
+    ServeConfig,
+    SyncConfig,
+    TasksConfig,
+    TokenizerConfig,
+    TrainerConfig,
+    require,
+)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "Model."})
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig, metadata={"help": "Tokenizer."})
+    tasks: TasksConfig = field(default_factory=TasksConfig, metadata={"help": "Tasks and data."})
+    rollout: RolloutConfig = field(default_factory=RolloutConfig, metadata={"help": "Rollout fleet and sampling."})
+    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig, metadata={"help": "Step-trace retrieval."})
+    algo: AlgoConfig = field(default_factory=AlgoConfig, metadata={"help": "Algorithm."})
+    learner: LearnerConfig = field(default_factory=LearnerConfig, metadata={"help": "Learner group."})
+    sync: SyncConfig = field(default_factory=SyncConfig, metadata={"help": "Weight sync."})
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig, metadata={"help": "Ray resources."})
+    trainer: TrainerConfig = field(default_factory=TrainerConfig, metadata={"help": "Training loop."})
+    run: RunConfig = field(default_factory=RunConfig, metadata={"help": "Run directory and logging."})
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"help": "Checkpoints."})
+    serve: ServeConfig = field(
+        default_factory=ServeConfig, metadata={"help": "Serving the trained agent (jobs/serve.py)."}
+    )
+
+    def validate(self) -> "Config":
+        """Each section's own checks, the running algorithm's, then those across sections; raise ConfigError naming
+        the field."""
+        require(
+            self.algo.name in algorithm_names(),
+            f"algo.name: {self.algo.name!r} is not one of {algorithm_names()} (rapo_ray.algos.registry)",
+        )
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate()
+        get_algorithm(self.algo.name).validate(self.algo)
+        m, r, t = self.model, self.rollout, self.trainer
+        require(
+            bool(m.path) or r.max_response_tokens < m.max_position_embeddings,  # an HF model's own is checked at load
+            f"rollout.max_response_tokens ({r.max_response_tokens}) must be < model.max_position_embeddings "
+            f"({m.max_position_embeddings})",
+        )
+        require(
+            self.tasks.train_size >= 2 * (t.sft_examples + t.sft_hard_examples) + t.rl_questions,
+            f"tasks.train_size ({self.tasks.train_size}) must be >= 2 x (trainer.sft_examples + "
+            "trainer.sft_hard_examples) + trainer.rl_questions, so RL questions are disjoint from the warm-start ones",
+        )
+        return self

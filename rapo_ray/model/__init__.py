@@ -1,0 +1,1 @@
+"""Models and tokenizers: loading, saving and the bundled small model."""

@@ -1,0 +1,55 @@
+"""A step's advantages, computed in the driver or as a Ray Data pipeline over the step's Arrow rows.
+
+``compute_advantages`` fills the advantage stage of a ``TrajectoryBatch``: exact per-step entropies from the
+learner's old-policy pass, then the algorithm's group-wise estimator. ``trainer.advantages_on=ray_data`` runs
+the estimator as ``map_groups`` (one call per group) instead of in the driver; the numbers are identical, what
+it adds is Ray Data's per-step scheduling cost (measurements in docs/RESULTS.md), which is why the driver is
+the default.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import ray
+import torch
+
+from rapo_ray.algos.entropy import step_entropies
+from rapo_ray.algos.registry import Algorithm
+from rapo_ray.types.batch import TrajectoryBatch
+
+
+def compute_advantages(batch: TrajectoryBatch, algorithm: Algorithm, algo_cfg, on: str = "driver") -> None:
+    """Fill ``batch.step_entropies`` [B][S_i] (from ``batch.entropies``), ``advantage``, ``retrieval_reward`` and
+    ``shaping`` [B] with ``algorithm``'s estimator, run in the driver or (``on="ray_data"``) in Ray Data."""
+    batch.require("entropies")
+    batch.step_entropies = [step_entropies(torch.tensor(ent), t.segments) for t, ent in zip(batch, batch.entropies)]
+    columns = batch.advantage_inputs()
+    out = (
+        advantages_with_ray_data(columns, algorithm, algo_cfg)
+        if on == "ray_data"
+        else algorithm.advantages(columns, algo_cfg)
+    )
+    batch.advantage = [float(x) for x in out["advantage"]]
+    batch.retrieval_reward = [float(x) for x in out["retrieval_reward"]]
+    batch.shaping = [float(x) for x in out["shaping"]]
+
+
+def advantages_with_ray_data(columns: dict, algorithm: Algorithm, algo_cfg) -> dict:
+    """``algorithm.advantages`` over ``columns`` (``ADVANTAGE_INPUTS``), one ``map_groups`` call per group."""
+
+    def per_group(group: dict) -> dict:
+        return {k: np.asarray(v) for k, v in algorithm.advantages(group, algo_cfg).items()}
+
+    # One shuffle partition: a step holds a few dozen groups, and the default partition count costs seconds.
+    ds = (
+        ray.data.from_arrow(pa.table(columns))
+        .groupby("group_id", num_partitions=1)
+        .map_groups(per_group, batch_format="numpy")
+    )
+    out: dict[str, list] = {"row": [], "advantage": [], "retrieval_reward": [], "shaping": []}
+    for b in ds.iter_batches(batch_format="numpy", batch_size=None):
+        for k in out:
+            out[k].extend(b[k].tolist())
+    order = sorted(range(len(out["row"])), key=lambda i: out["row"][i])  # back to the step's row order
+    return {k: [v[i] for i in order] for k, v in out.items()}

@@ -1,0 +1,218 @@
+"""What a run reports: the step's metrics, the metrics log (metrics.jsonl and the sinks of rapo_ray/training/sinks.py),
+trajectories as parquet, the progress bar, the before/after table and the curves plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rapo_ray.agent.evaluation import paired_change
+from rapo_ray.config import Config
+from rapo_ray.envs.suite import family_of
+from rapo_ray.training.sinks import make_sinks, numeric
+from rapo_ray.types.batch import TrajectoryBatch
+from rapo_ray.types.trajectory import HYBRID
+
+
+def step_metrics(
+    step: int,
+    version: int,
+    batch: TrajectoryBatch,
+    rollout_stats: dict,
+    update_stats: dict,
+    seconds: dict[str, float],
+    ppo_epochs: int,
+    workers: int,
+) -> dict:
+    """One step's metrics from its finished batch (advantages filled), the fleet's and the learners' stats,
+    and the stage timings (``rollout_s``, ``old_logprob_s``, ``advantages_s``, ``update_s``, ``sync_s``, ``step_s``)."""
+    trajs = batch.trajectories
+    gen_tokens = sum(t.num_generated_tokens for t in trajs)
+    ent_means = [sum(h) / len(h) for h in batch.step_entropies if h]
+    m = {
+        "step": step,
+        "version": version,
+        "trajectories": len(trajs),
+        "reward": _mean(t.reward for t in trajs),
+        "accuracy": _mean(float(t.correct) for t in trajs),
+        "format_valid": _mean(float(t.format_ok) for t in trajs),
+        "hybrid_reward": _mean(t.reward for t in trajs if t.slot_kind == HYBRID),
+        "on_policy_reward": _mean(t.reward for t in trajs if t.slot_kind != HYBRID),
+        **{k: seconds[k] for k in ("rollout_s", "old_logprob_s", "update_s", "sync_s")},
+        "generate_s": rollout_stats["generate_s"],
+        "tool_s": rollout_stats["tool_s"],
+        "retrieve_s": rollout_stats["retrieve_s"],
+        "slowest_chunk_s": rollout_stats.get("slowest_chunk_s", 0.0),  # the straggler that rollout_s waited for
+        "rollout_tokens": sum(len(t.response_ids) for t in trajs),
+        "generated_tokens": gen_tokens,
+        "tool_calls": sum(t.tool_calls for t in trajs),
+        "retrievals": sum(t.num_retrievals for t in trajs),
+        "retrieval_fallbacks": sum(t.retrieval_fallbacks for t in trajs),
+        "retrieval_errors": sum(t.retrieval_errors for t in trajs),
+        "retrieved_answers": sum(t.answer_retrieved for t in trajs),  # see algo.rapo.reward_retrieved_answers
+        "retrieved_token_fraction": _mean(t.retrieved_fraction for t in trajs),
+        "entropy": _mean(ent_means),
+        "retrieval_reward": _mean(z for t, z in zip(trajs, batch.retrieval_reward) if t.num_retrievals),
+        "advantages_s": seconds["advantages_s"],
+        "requeued_groups": rollout_stats["requeued_groups"],
+        "replaced_workers": rollout_stats["replaced_workers"],
+        "workers": workers,
+        **{f"update/{k}": v for k, v in update_stats.items()},
+    }
+    m["step_s"] = seconds["step_s"]
+    m["tokens_per_s"] = gen_tokens / max(seconds["rollout_s"], 1e-9)
+    # learner throughput: every sequence token goes through forward and backward once per PPO epoch
+    seq_tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
+    m["learner_tokens_per_s"] = seq_tokens * ppo_epochs / max(seconds["update_s"], 1e-9)
+    return m
+
+
+def write_trajectories(directory: Path, step: int, batch: TrajectoryBatch) -> None:
+    """``<directory>/step-NNNNNN.parquet``, written to a temporary name and renamed (never half a file)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".step-{step:06d}.parquet.tmp"
+    pq.write_table(pa.Table.from_pylist(batch.to_rows()), tmp)
+    tmp.replace(directory / f"step-{step:06d}.parquet")
+
+
+class MetricsLog:
+    """Every metrics dict of a run: in memory (``history``), appended to ``metrics.jsonl``, and sent to the
+    sinks ``cfg.run`` enables (TensorBoard under ``tb/``, W&B, MLflow; rapo_ray/training/sinks.py). A sink that fails
+    mid-run is reported through ``log`` once and dropped; the jsonl file is the record."""
+
+    def __init__(self, run_path: Path, cfg: Config, log=print):
+        self.path = run_path / "metrics.jsonl"
+        self.history: list[dict] = []
+        self.sinks = make_sinks(run_path, cfg)
+        self._log = log
+
+    def log(self, m: dict) -> None:
+        self.history.append(m)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(m) + "\n")
+        scalars, step = numeric(m), int(m.get("step", 0))
+        for sink in list(self.sinks):
+            try:
+                sink.log(scalars, step)
+            except Exception as exc:
+                self.sinks.remove(sink)
+                self._log(f"metrics sink {sink.name} failed at step {step} and is off for the rest of the run: {exc!r}")
+
+    def mean(self, key: str) -> float:
+        return _mean(m[key] for m in self.history if key in m)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as exc:
+                self._log(f"metrics sink {sink.name} did not close cleanly: {exc!r}")
+        self.sinks = []
+
+
+# ---------------------------------------------------------------- held-out results
+
+
+def fmt_eval(metrics: dict) -> str:
+    return ", ".join(
+        f"{k.split('/')[1]} {v:.3f}" for k, v in metrics.items() if k.endswith("/accuracy") and k.count("/") == 2
+    )
+
+
+def paired_changes(before: dict, after: dict) -> dict:
+    """Per family (and "all"): problems fixed / broken by training and the sign-test p-value."""
+    fams = sorted({family_of(p) for p in after})
+    out = {
+        f: paired_change(
+            {p: c for p, c in before.items() if family_of(p) == f},
+            {p: c for p, c in after.items() if family_of(p) == f},
+        )
+        for f in fams
+    }
+    out["all"] = paired_change(before, after)
+    return out
+
+
+def before_after_table(before: dict, after: dict, change: dict | None = None) -> str:
+    """Held-out accuracy before/after per family; with ``change``: problems fixed/broken and the paired
+    sign-test p-value (a gain is measurable when p is small, e.g. < 0.05)."""
+    change = change or {}
+    fams = sorted({k.split("/")[1] for k in after if k.count("/") == 2})
+    lines = [f"{'family':12} {'before':>8} {'after':>8} {'gain':>8} {'fixed':>6} {'broken':>6} {'p':>7}"]
+
+    def row(name, b, a, c):
+        paired = f" {c['fixed']:6d} {c['broken']:6d} {c['p_value']:7.3g}" if c else ""
+        lines.append(f"{name:12} {b:8.3f} {a:8.3f} {a - b:+8.3f}{paired}")
+
+    for f in fams:
+        row(f, before.get(f"eval/{f}/accuracy", 0.0), after.get(f"eval/{f}/accuracy", 0.0), change.get(f))
+    row("mean", before.get("eval/mean_accuracy", 0.0), after.get("eval/mean_accuracy", 0.0), change.get("all"))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- console and plots
+
+
+class Progress:
+    """A tqdm bar over the run's steps (``run.progress``), or one log line per step without it."""
+
+    def __init__(self, enabled: bool, total: int, start: int, desc: str, log=print):
+        self.log = log
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True)
+
+    def update(self, m: dict) -> None:
+        text = (
+            f"reward {m['reward']:+.3f} acc {m['accuracy']:.3f} tok/s {m['tokens_per_s']:.0f} step {m['step_s']:.1f}s"
+        )
+        if "eval/mean_accuracy" in m:
+            text += f" eval {m['eval/mean_accuracy']:.3f}"
+        if self.bar is not None:
+            self.bar.set_postfix_str(text)
+            self.bar.update(1)
+        else:
+            self.log(f"step {m['step']}: {text}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def plot_curves(path: Path, history: list[dict]) -> None:
+    """``curves.png``: reward and train accuracy, held-out accuracy, and step-time parts per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [m for m in history if "reward" in m]
+    evals = [m for m in history if "eval/mean_accuracy" in m]
+    fig, ax = plt.subplots(1, 3, figsize=(14, 3.5))
+    ax[0].plot([m["step"] for m in steps], [m["reward"] for m in steps], label="reward")
+    ax[0].plot([m["step"] for m in steps], [m["accuracy"] for m in steps], label="train accuracy")
+    ax[0].legend()
+    ax[0].set_xlabel("step")
+    for k in sorted({k for m in evals for k in m if k.endswith("/accuracy") and k.count("/") == 2}):
+        ax[1].plot([m["step"] for m in evals], [m.get(k, 0) for m in evals], marker="o", label=k.split("/")[1])
+    ax[1].set_title("held-out accuracy")
+    ax[1].legend()
+    ax[1].set_xlabel("step")
+    for k in ("rollout_s", "update_s", "sync_s"):
+        ax[2].plot([m["step"] for m in steps], [m[k] for m in steps], label=k)
+    ax[2].set_title("step time (s)")
+    ax[2].legend()
+    ax[2].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path / "curves.png", dpi=90)
+    plt.close(fig)
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return float(sum(xs) / len(xs)) if xs else 0.0

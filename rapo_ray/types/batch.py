@@ -1,0 +1,227 @@
+"""``TrajectoryBatch``: the one object a step's data lives in, from the rollout fleet to the loss.
+
+The rollout fleet fills ``trajectories``; every later stage adds its own fields to the same object and
+never converts it to another form. Plain rows exist only at the two boundaries: the parquet writer
+(``to_rows``) and Ray Data (``learner_table`` / ``from_learner_table``).
+
+Shapes (B trajectories; ``L_i = len(trajectories[i].response_ids)``; ``S_i`` = generated steps of i):
+
+    stage                         field              shape       filled by
+    rollout                       trajectories       [B]         RolloutFleet.run_step
+    old-policy pass               old_logprobs       [B][L_i]    LearnerGroup.forward_old
+                                  entropies          [B][L_i]    LearnerGroup.forward_old
+    advantage estimation          step_entropies     [B][S_i]    data_flow.compute_advantages
+                                  advantage          [B]         data_flow.compute_advantages
+                                  retrieval_reward   [B]         data_flow.compute_advantages
+                                  shaping            [B]         data_flow.compute_advantages
+
+Per-token fields are aligned with ``response_ids`` (0 where ``loss_mask`` is 0 is not guaranteed: only
+masked-in positions are used by the loss). A field is ``None`` until its stage has run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from rapo_ray.types.trajectory import Trajectory
+
+STAGE_FIELDS = ("old_logprobs", "entropies", "step_entropies", "advantage", "retrieval_reward", "shaping")
+
+# Columns of a step's parquet file (``trajectories/step-NNNNNN.parquet``), in order.
+PARQUET_COLUMNS = (
+    "group_id",
+    "slot",
+    "slot_kind",
+    "problem_id",
+    "prompt_ids",
+    "response_ids",
+    "segments",
+    "loss_mask",
+    "logprobs",
+    "step_entropies",
+    "step_entropies_engine",
+    "reward",
+    "correct",
+    "format_ok",
+    "tool_calls",
+    "num_retrievals",
+    "num_retrieved_tokens",
+    "retrieved_fraction",
+    "policy_version",
+    "advantage",
+    "retrieval_reward",
+    "shaping",
+    "finish_reason",
+    "answer",
+    "answer_retrieved",
+    "tool_time_s",
+    "retrievals",
+)
+
+
+def length_sorted_groups(lengths: Sequence[int], max_rows: int, pad_slack: float) -> list[list[int]]:
+    """Indices of items with these lengths, sorted by length and cut into groups of at most ``max_rows`` whose
+    padded size (longest x count) stays within ``1 + pad_slack`` of their real size.
+
+    Why: a padded batch costs its padded size on a CPU, and a model's forward over several groups gives each row
+    what one batch gives (the loss sums per-token terms). E.g. lengths [5, 50, 6, 52], max_rows 4, slack 0.1 ->
+    [[0, 2], [1, 3]] (12 <= 1.1 x 11, 104 <= 1.1 x 102; all four together would pad 52 x 4 = 208 for 113)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups: list[list[int]] = []
+    real = 0
+    for i in order:
+        cur = groups[-1] if groups else None
+        if cur and len(cur) < max_rows and lengths[i] * (len(cur) + 1) <= (1 + pad_slack) * (real + lengths[i]):
+            cur.append(i)
+            real += lengths[i]
+        else:
+            groups.append([i])
+            real = lengths[i]
+    return groups
+
+
+@dataclass
+class TrajectoryBatch:
+    trajectories: list[Trajectory] = field(default_factory=list)
+    old_logprobs: list[list[float]] | None = None
+    entropies: list[list[float]] | None = None
+    step_entropies: list[list[float]] | None = None
+    advantage: list[float] | None = None
+    retrieval_reward: list[float] | None = None
+    shaping: list[float] | None = None
+
+    def __len__(self) -> int:
+        return len(self.trajectories)
+
+    def __iter__(self):
+        return iter(self.trajectories)
+
+    # ------------------------------------------------------------ slicing and joining
+
+    def select(self, indices: Sequence[int]) -> "TrajectoryBatch":
+        """A new batch of the rows ``indices`` (every filled field sliced alike)."""
+        out = TrajectoryBatch([self.trajectories[i] for i in indices])
+        for name in STAGE_FIELDS:
+            col = getattr(self, name)
+            if col is not None:
+                setattr(out, name, [col[i] for i in indices])
+        return out
+
+    @classmethod
+    def concat(cls, batches: Sequence["TrajectoryBatch"]) -> "TrajectoryBatch":
+        """Rows of ``batches`` in order; a stage field is kept only when every part has it."""
+        out = cls([t for b in batches for t in b.trajectories])
+        for name in STAGE_FIELDS:
+            cols = [getattr(b, name) for b in batches]
+            if batches and all(c is not None for c in cols):
+                setattr(out, name, [x for c in cols for x in c])
+        return out
+
+    def require(self, *names: str) -> None:
+        """Raise if a stage that must have run has not filled its fields (a stage called out of order)."""
+        missing = [n for n in names if getattr(self, n) is None]
+        if missing:
+            raise ValueError(
+                f"TrajectoryBatch: {missing} not filled yet (stages run in the order of rapo_ray/types/batch.py)"
+            )
+
+    def padding_like(self, n: int) -> "TrajectoryBatch":
+        """``n`` rows that weigh nothing in the loss (all-zero mask, advantage 0): keeps learner ranks in step,
+        since FSDP's collectives need every rank in every forward/backward."""
+        t = self.trajectories[0]
+        pad = Trajectory(
+            group_id="",
+            slot=-1,
+            slot_kind="padding",
+            problem_id="",
+            task_kind=t.task_kind,
+            answers=(),
+            prompt_ids=list(t.prompt_ids),
+            response_ids=list(t.response_ids),
+            loss_mask=[0] * len(t.loss_mask),
+        )
+        out = TrajectoryBatch([pad] * n)
+        if self.old_logprobs is not None:
+            out.old_logprobs = [[0.0] * len(t.response_ids)] * n
+        if self.advantage is not None:
+            out.advantage, out.shaping = [0.0] * n, [1.0] * n
+        return out
+
+    # ------------------------------------------------------------ views used by several stages
+
+    def group_ids(self) -> list[str]:
+        return [t.group_id for t in self.trajectories]
+
+    def rewards(self) -> list[float]:
+        return [float(t.reward) for t in self.trajectories]
+
+    def advantage_inputs(self) -> dict:
+        """Plain columns for the advantage estimators (``rapo_ray.algos.advantage_estimators.ADVANTAGE_INPUTS``);
+        plain lists so the same columns can be an Arrow table in Ray Data."""
+        self.require("step_entropies")
+        return {
+            "row": list(range(len(self))),
+            "group_id": self.group_ids(),
+            "reward": self.rewards(),
+            "step_entropies": [[float(h) for h in hs] for hs in self.step_entropies],
+            "retrieval_before": [[int(r.step_before) for r in t.retrievals] for t in self.trajectories],
+            "retrieval_after": [
+                [-1 if r.step_after is None else int(r.step_after) for r in t.retrievals] for t in self.trajectories
+            ],
+            "num_retrieved_tokens": [t.num_retrieved_tokens for t in self.trajectories],
+            "num_response_tokens": [len(t.response_ids) for t in self.trajectories],
+        }
+
+    # ------------------------------------------------------------ boundaries: parquet and Ray Data
+
+    def to_rows(self) -> list[dict]:
+        """One flat dict per trajectory with ``PARQUET_COLUMNS`` (stage fields None when not filled)."""
+        rows = []
+        for i, t in enumerate(self.trajectories):
+            row = t.to_row()
+            for name in ("step_entropies", "advantage", "retrieval_reward", "shaping"):
+                col = getattr(self, name)
+                row[name] = col[i] if col is not None else None
+            rows.append({k: row.get(k) for k in PARQUET_COLUMNS})
+        return rows
+
+    def learner_table(self, extra: dict | None = None):
+        """The columns the loss needs as an Arrow table (the Ray Data ``streaming_split`` feed); ``extra``: more
+        columns of the same length (e.g. each row's mini-batch index)."""
+        import pyarrow as pa
+
+        self.require("old_logprobs", "advantage", "shaping")
+        cols = {
+            "prompt_ids": [t.prompt_ids for t in self.trajectories],
+            "response_ids": [t.response_ids for t in self.trajectories],
+            "loss_mask": [t.loss_mask for t in self.trajectories],
+            "old_logprobs": self.old_logprobs,
+            "advantage": [float(a) for a in self.advantage],
+            "shaping": [float(s) for s in self.shaping],
+        }
+        return pa.table(cols | dict(extra or {}))
+
+    @classmethod
+    def from_learner_table(cls, records: Sequence[dict]) -> "TrajectoryBatch":
+        """Inverse of ``learner_table`` for rows read back from Ray Data (only the loss's fields survive)."""
+        trajs = [
+            Trajectory(
+                group_id="",
+                slot=0,
+                slot_kind="",
+                problem_id="",
+                task_kind="",
+                answers=(),
+                prompt_ids=list(r["prompt_ids"]),
+                response_ids=list(r["response_ids"]),
+                loss_mask=list(r["loss_mask"]),
+            )
+            for r in records
+        ]
+        return cls(
+            trajs,
+            old_logprobs=[list(r["old_logprobs"]) for r in records],
+            advantage=[float(r["advantage"]) for r in records],
+            shaping=[float(r["shaping"]) for r in records],
+        )

@@ -1,0 +1,562 @@
+"""The learner group: ``LearnerWorker`` actors (one per rank) in one torch.distributed group (gloo on CPU, NCCL
+on GPU), the model sharded with FSDP2 ``fully_shard``; ``LearnerGroup`` is how the trainer talks to them.
+
+Each step the group sends every rank the same number of micro-batches of the step's ``TrajectoryBatch``
+(padding rows with an all-zero mask keep ranks in lockstep, since FSDP's collectives need every rank in
+every forward/backward):
+1. ``forward_old``: log-probs and full-vocabulary entropies of the response tokens under pi_old (RAPO's
+   step entropies come from here, spec ambiguity 1a);
+2. ``update``: PPO mini-batches with the clipped RAPO/GRPO loss, gradient clipping, lr schedule; with
+   ``algo.kl_coef > 0`` plus a KL penalty against the starting policy (a frozen copy on each rank).
+The loss of each shard is divided by the global token (or sequence) count of its mini-batch, so the sum
+over ranks is the full mini-batch loss; FSDP averages gradients over ranks, so the loss is multiplied by
+the world size before backward to get the summed gradient.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from typing import Sequence
+
+import ray
+import torch
+
+from rapo_ray.algos.entropy import token_entropy_from_logits
+from rapo_ray.algos.loss import PolicyLossConfig, aggregation_denominator, policy_loss
+from rapo_ray.config import Config, from_dict, to_dict
+from rapo_ray.core.devices import mixed_precision_policy, pick_device, set_deterministic, shard_model
+from rapo_ray.core.errors import LearnerLost
+from rapo_ray.core.metrics import actor_stats, merge_actor_stats
+from rapo_ray.core.net import free_port
+from rapo_ray.model.factory import load_model, load_tokenizer, model_from_state_dict, save_model, set_torch_threads
+from rapo_ray.types.batch import TrajectoryBatch, length_sorted_groups
+from rapo_ray.types.trajectory import Trajectory
+from rapo_ray.workers.sync import SyncMember, send_state, shard_rows
+
+# How the learner group combines one statistic across ranks (rapo_ray.core.metrics.merge_actor_stats): per-rank
+# token-weighted means are averaged, loss sums and delivered rows are added.
+RANK_REDUCE = {
+    "clip_frac": "mean",
+    "approx_kl": "mean",
+    "ratio_mean": "mean",
+    "kl_ref": "mean",
+    "grad_norm": "mean",
+    "loss_tokens": "mean",
+    "lr": "mean",
+    "loss_sum": "sum",
+    "rows": "sum",
+}
+
+
+def _collate(batch: TrajectoryBatch, pad_id: int):
+    """Right-padded [B, L] inputs (prompt + response) and [B, L-1] target-aligned response/loss masks and old
+    log-probs (L = the longest prompt + response)."""
+    trajs = batch.trajectories
+    L = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
+    B = len(trajs)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, L), dtype=torch.long)
+    resp = torch.zeros((B, L - 1), dtype=torch.float32)  # 1 where the target is a response token
+    mask = torch.zeros((B, L - 1), dtype=torch.float32)
+    old = torch.zeros((B, L - 1), dtype=torch.float32)
+    for i, t in enumerate(trajs):
+        n = len(t.prompt_ids) + len(t.response_ids)
+        ids[i, :n] = torch.tensor(list(t.prompt_ids) + list(t.response_ids))
+        attn[i, :n] = 1
+        s, e = len(t.prompt_ids) - 1, n - 1
+        resp[i, s:e] = 1
+        mask[i, s:e] = torch.tensor(t.loss_mask, dtype=torch.float32)
+        if batch.old_logprobs is not None:
+            old[i, s:e] = torch.tensor(batch.old_logprobs[i], dtype=torch.float32)
+    return ids, attn, resp, mask, old
+
+
+def _filler(pad_id: int) -> TrajectoryBatch:
+    """A one-row micro-batch that weighs nothing in the loss (all-zero mask, advantage 0)."""
+    t = Trajectory(
+        group_id="",
+        slot=-1,
+        slot_kind="padding",
+        problem_id="",
+        task_kind="",
+        answers=(),
+        prompt_ids=[pad_id],
+        response_ids=[pad_id],
+        loss_mask=[0],
+    )
+    return TrajectoryBatch([t], old_logprobs=[[0.0]], advantage=[0.0], shaping=[1.0])
+
+
+class LearnerWorker(SyncMember):
+    def __init__(
+        self, rank: int, world_size: int, master_port: int, model_dir: str, cfg_dict: dict, backend: str = "auto"
+    ):
+        import torch.distributed as dist
+
+        self.cfg = from_dict(cfg_dict)
+        set_torch_threads(1)
+        set_deterministic(self.cfg.run.deterministic)
+        self.rank, self.world = rank, world_size
+        self._sync_layout_cache: tuple = ()  # (key, entries, local rows): see _sync_layout
+        self.device = pick_device(self.cfg.resources.gpus_per_learner, "resources.gpus_per_learner")
+        use_cuda = self.device.type == "cuda"
+        backend = backend if backend != "auto" else ("nccl" if use_cuda else "gloo")
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1" if not use_cuda else os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            MASTER_PORT=str(master_port),
+        )
+        if not dist.is_initialized():
+            dist.init_process_group(backend, rank=rank, world_size=world_size)
+        lc = self.cfg.learner
+        # fp32 master weights always; bf16 compute on GPU (FSDP's policy, or autocast without FSDP)
+        mp_policy = mixed_precision_policy(lc.bf16, self.device) if lc.fsdp else None
+        self.autocast = lc.bf16 and use_cuda and not lc.fsdp
+        model = load_model(model_dir, dtype="float32", device=str(self.device))
+        self.pad_id = model.config.pad_token_id or 0
+        if lc.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        if lc.fsdp:
+            shard_model(model, mp_policy)
+        self.model = model.train()
+        # The KL penalty's reference is the policy the run started from (learners are always built from
+        # the starting model; a resume loads the checkpoint into self.model only). Sharded like the policy.
+        self.ref_model = None
+        if self.cfg.algo.kl_coef > 0:
+            ref = load_model(model_dir, dtype="float32", device=str(self.device)).eval().requires_grad_(False)
+            if lc.fsdp:
+                shard_model(ref, mp_policy)
+            self.ref_model = ref
+        self.opt = torch.optim.AdamW(
+            model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay, betas=(0.9, 0.999), eps=1e-8
+        )
+        total = max(1, self.cfg.trainer.total_steps)
+
+        def schedule(step: int) -> float:
+            warm = min(1.0, (step + 1) / lc.warmup_steps) if lc.warmup_steps else 1.0
+            frac = min(step, total) / total
+            if lc.lr_schedule == "cosine":
+                return warm * 0.5 * (1 + math.cos(math.pi * frac))
+            if lc.lr_schedule == "linear":
+                return warm * (1 - frac)
+            return warm
+
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule)
+        a = self.cfg.algo
+        self.loss_cfg = PolicyLossConfig(
+            clip_low=a.clip_low,
+            clip_high=a.clip_high,
+            dual_clip=a.dual_clip or None,
+            kl_coef=a.kl_coef,
+            kl_type=a.kl_type,
+            agg_mode=a.loss_agg_mode,
+        )
+
+    def ready(self) -> int:
+        return self.rank
+
+    # ------------------------------------------------------------ passes
+
+    def _logits(self, ids, attn, model=None):
+        model = self.model if model is None else model
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            logits = model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device)).logits
+        return logits[:, :-1].float()
+
+    def _target_logprobs(self, logits, ids):
+        """[B, L-1] log-prob of each next token under ``logits``: the target's logit minus the row's logsumexp,
+        which keeps no full-vocabulary log_softmax alive (at a 152k vocabulary, one more copy of the logits)."""
+        target = logits.gather(-1, ids[:, 1:, None].to(self.device))[..., 0]
+        return target - torch.logsumexp(logits, -1)
+
+    @torch.no_grad()
+    def forward_old(self, micro_batches: list[TrajectoryBatch]) -> list[tuple[list[float], list[float]]]:
+        """Per row of every micro-batch, in order: (log-probs, entropies) of its response tokens under the
+        current (= old) policy, each [L_i]."""
+        out = []
+        for mb in micro_batches:
+            ids, attn, _, _, _ = _collate(mb, self.pad_id)
+            logits = self._logits(ids, attn)
+            logp = self._target_logprobs(logits, ids).cpu()
+            ent = token_entropy_from_logits(logits).cpu()
+            for i, t in enumerate(mb.trajectories):
+                s, e = len(t.prompt_ids) - 1, len(t.prompt_ids) + len(t.response_ids) - 1
+                out.append((logp[i, s:e].tolist(), ent[i, s:e].tolist()))
+        return out
+
+    def update_from_stream(self, split, denominators: list[float], micro: int) -> dict:
+        """PPO update on the rows a Ray Data ``streaming_split`` iterator hands this rank.
+
+        Each row carries its mini-batch index ``mb``; the driver computed every mini-batch's global loss
+        denominator (``denominators[mb]``) before the split, so no rank needs the others' rows. Rows reach
+        ranks dynamically, so the ranks agree on each mini-batch's micro-batch count with one all-reduce
+        (max) and pad with all-masked rows: FSDP's collectives need every rank in every forward/backward.
+        """
+        import torch.distributed as dist
+
+        records: list[list[dict]] = [[] for _ in denominators]
+        for block in split.iter_batches(batch_size=None, batch_format="pyarrow"):
+            for rec in block.to_pylist():
+                records[rec["mb"]].append(rec)
+        mine = [TrajectoryBatch.from_learner_table(r) if r else None for r in records]
+        counts = torch.tensor([math.ceil(len(r) / micro) for r in records], dtype=torch.long, device=self.device)
+        if self.world > 1:
+            dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+        minis = []
+        for k, denominator in enumerate(denominators):
+            mbs = []
+            for i in range(int(counts[k])):
+                part = (
+                    mine[k].select(range(i * micro, min((i + 1) * micro, len(mine[k]))))
+                    if mine[k] is not None
+                    else None
+                )
+                mbs.append(part if part is not None and len(part) else _filler(self.pad_id))
+            minis.append((mbs, denominator))
+        out = self._update(minis)
+        out["rows"] = sum(len(r) for r in records)
+        return actor_stats(out, RANK_REDUCE)
+
+    def update(self, mini_batches: list[tuple[list[TrajectoryBatch], float]]) -> dict:
+        """``mini_batches``: per PPO mini-batch, this rank's micro-batches and the global denominator. Returns
+        this rank's statistics as RLlib stats (``merge_actor_stats`` combines the ranks by ``RANK_REDUCE``)."""
+        return actor_stats(self._update(mini_batches), RANK_REDUCE)
+
+    def _update(self, mini_batches: list[tuple[list[TrajectoryBatch], float]]) -> dict[str, float]:
+        stats: dict[str, float] = {}
+        n = 0
+        for micro_batches, denominator in mini_batches:
+            self.opt.zero_grad(set_to_none=True)
+            for mb in micro_batches:
+                ids, attn, _, mask, old = _collate(mb, self.pad_id)
+                ref_logp = None
+                if self.ref_model is not None:  # the KL penalty's reference log-probs (no gradient)
+                    with torch.no_grad():
+                        ref_logp = self._target_logprobs(self._logits(ids, attn, self.ref_model), ids)
+                logp = self._target_logprobs(self._logits(ids, attn), ids)
+                adv = torch.tensor(mb.advantage, dtype=torch.float32, device=self.device)
+                shaping = torch.tensor(mb.shaping, dtype=torch.float32, device=self.device)
+                loss, m = policy_loss(
+                    logp,
+                    old.to(self.device),
+                    adv,
+                    mask.to(self.device),
+                    self.loss_cfg,
+                    shaping=shaping,
+                    ref_logp=ref_logp,
+                    denominator=denominator,
+                )
+                (loss * self.world).backward()
+                w = m["loss_tokens"]
+                for k in ("clip_frac", "approx_kl", "ratio_mean", "kl_ref"):
+                    if k in m:
+                        stats[k] = stats.get(k, 0.0) + m[k] * w
+                stats["loss"] = stats.get("loss", 0.0) + loss.item()
+                n += w
+            gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.learner.grad_clip)
+            gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
+            stats["grad_norm"] = stats.get("grad_norm", 0.0) + float(gn)
+            self.opt.step()
+        self.sched.step()
+        out = {k: v / max(n, 1) for k, v in stats.items() if k in ("clip_frac", "approx_kl", "ratio_mean", "kl_ref")}
+        out["loss_sum"] = stats.get("loss", 0.0)
+        out["grad_norm"] = stats.get("grad_norm", 0.0) / max(len(mini_batches), 1)
+        out["loss_tokens"] = n
+        out["lr"] = self.sched.get_last_lr()[0]
+        return out
+
+    # ------------------------------------------------------------ weights and checkpoints
+
+    def full_state_dict(self) -> dict | None:
+        """Gathered full weights (HF names, CPU) on rank 0; None elsewhere. Every rank must call it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {k: v.detach().clone() for k, v in sd.items()} if self.rank == 0 else None
+
+    def join_weight_sync(self, host: str, port: int, name: str, rank: int, world: int, timeout_s: float) -> bool:
+        """Become sync rank ``rank`` (this learner rank) of the weight-sync group ``name`` (rapo_ray/workers/sync.py)."""
+        if rank != self.rank:
+            raise ValueError(f"learner rank {self.rank} asked to be weight-sync rank {rank}")
+        return super().join_weight_sync(host, port, name, rank, world, timeout_s)
+
+    def send_weights(self, version: int, bucket_bytes: int, dtype: str, senders: int) -> dict:
+        """Every rank: send the rows of every parameter that this rank's FSDP shard holds, in ``dtype``, straight to
+        the workers of the weight-sync group (``senders`` = the learner ranks)."""
+        if self._sync_group is None:
+            raise RuntimeError(f"learner rank {self.rank} is in no weight-sync group")
+        t0 = time.perf_counter()
+        entries, local = self._sync_layout(dtype, senders)
+        prepare_s = time.perf_counter() - t0
+        try:
+            stats = send_state(self._sync_group, version, entries, local.__getitem__, senders, bucket_bytes)
+            return {**stats, "prepare_s": prepare_s, "learner_s": time.perf_counter() - t0}
+        except BaseException:
+            self._sync_group = None  # aborted by send_state; the driver forms a new group
+            raise
+
+    def _sync_layout(self, dtype: str, senders: int) -> tuple[list, dict]:
+        """What ``send_weights`` sends: the (name, shape, dtype, rows per sender) entries, and this rank's rows of
+        each tensor as views of its parameters (they follow the optimizer's in-place updates). Built once: walking
+        the state dict cost 3.6-4.7 ms of a ~17 ms push on the bundled model; ``load_checkpoint`` drops it, since
+        loading may replace parameters. A tied ``lm_head`` is not sent (the engines tie it to the embedding)."""
+        from torch.distributed.tensor import DTensor
+
+        if self._sync_layout_cache and self._sync_layout_cache[0] == (dtype, senders):
+            return self._sync_layout_cache[1:]
+        sd = self.model.state_dict()
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            sd.pop("lm_head.weight", None)
+        local, entries = {}, []
+        for k, v in sd.items():
+            sharded = isinstance(v, DTensor) and senders > 1 and v.dim() > 0
+            rows = shard_rows(v.shape[0], senders) if sharded else ()
+            if sharded:
+                local[k] = v.to_local()
+                if local[k].shape[0] != rows[self.rank]:
+                    raise RuntimeError(f"{k}: FSDP shard of {local[k].shape[0]} rows on rank {self.rank}, not {rows}")
+            elif self.rank == 0:  # a plain (or one-rank) tensor: rank 0 sends it whole
+                local[k] = v.to_local() if isinstance(v, DTensor) else v
+            entries.append((k, tuple(v.shape), dtype, rows))
+        self._sync_layout_cache = ((dtype, senders), entries, local)
+        return entries, local
+
+    def save_checkpoint(self, path: str, tokenizer_dir: str) -> bool:
+        """Rank 0 writes the HF model (in ``model.dtype``, what engines and serving load) and the full optimizer
+        state into ``path`` (which must not exist yet). When ``model.dtype`` is lower than the fp32 master
+        weights, those go into optimizer.pt as well, so that a resume continues from them exactly."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        sd = self.full_state_dict()
+        osd = get_optimizer_state_dict(
+            self.model, self.opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if self.rank == 0:
+            save_dtype = self.cfg.model.dtype
+            save_model(model_from_state_dict(tokenizer_dir, sd, save_dtype), load_tokenizer(tokenizer_dir), path)
+            master = {"master": sd} if save_dtype != "float32" else {}
+            torch.save(
+                {"optimizer": osd, "scheduler": self.sched.state_dict(), **master}, os.path.join(path, "optimizer.pt")
+            )
+        return True
+
+    def load_checkpoint(self, path: str) -> bool:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        # tensors and plain containers only: loading a checkpoint never runs code from it
+        blob = torch.load(os.path.join(path, "optimizer.pt"), weights_only=True)
+        full = blob["master"] if "master" in blob else load_model(path).state_dict()
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+        set_model_state_dict(self.model, full, options=opts)
+        self._sync_layout_cache = ()  # the parameters may be new tensors now
+        set_optimizer_state_dict(self.model, self.opt, blob["optimizer"], options=opts)
+        self.sched.load_state_dict(blob["scheduler"])
+        return True
+
+    def shutdown(self) -> bool:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return True
+
+
+# ---------------------------------------------------------------- the group, as the trainer sees it
+
+
+def _gather(refs: list) -> list:
+    """ray.get for learner calls that fails fast: the surviving ranks of a group that lost one would wait in a
+    collective, so the first dead rank ends the wait."""
+    results, pending = {}, list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        try:
+            results[ready[0]] = ray.get(ready[0])  # each result fetched once (a full state dict can be GBs)
+        # ObjectLostError: the learner finished, but its node went away before its result was fetched
+        except (
+            ray.exceptions.RayActorError,
+            ray.exceptions.ActorUnavailableError,
+            ray.exceptions.ObjectLostError,
+        ) as exc:
+            raise LearnerLost(f"a learner died: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+    return [results[r] for r in refs]
+
+
+# Length-sorted micro-batches may pad each to at most 10% over its real tokens.
+MICRO_BATCH_PAD_SLACK = 0.1
+
+
+def micro_batch_rows(lengths: Sequence[int], world: int, micro: int, length_sorted: bool) -> list[list[list[int]]]:
+    """[rank][micro-batch] -> row indices of a batch whose rows have these token lengths. Row i goes to rank
+    ``i % world``. A rank's rows are cut into micro-batches of at most ``micro`` rows: in row order, or
+    (``length_sorted``) sorted by length and cut where padding would pass ``MICRO_BATCH_PAD_SLACK``
+    (``batch.length_sorted_groups``). Every rank gets the same number of micro-batches (FSDP's collectives need
+    every rank in every forward/backward): a rank with fewer gets empty ones, sent as padding rows."""
+    per_rank = [list(range(r, len(lengths), world)) for r in range(world)]
+    out = []
+    for rows in per_rank:
+        if length_sorted:
+            groups = length_sorted_groups([lengths[i] for i in rows], micro, MICRO_BATCH_PAD_SLACK)
+            out.append([[rows[j] for j in g] for g in groups])
+        else:
+            out.append([rows[i : i + micro] for i in range(0, len(rows), micro)])
+    n_micro = max(1, max(len(mbs) for mbs in out))
+    return [mbs + [[] for _ in range(n_micro - len(mbs))] for mbs in out]
+
+
+def split_for_ranks(
+    batch: TrajectoryBatch, world: int, micro: int, length_sorted: bool = False
+) -> tuple[list[list[TrajectoryBatch]], list[list[list[int]]]]:
+    """``batch`` -> ([rank][micro-batch] batches, their row indices as ``micro_batch_rows`` gives them); an empty
+    micro-batch is a one-row padding batch that weighs nothing in the loss."""
+    rows = micro_batch_rows(
+        [len(t.prompt_ids) + len(t.response_ids) for t in batch.trajectories], world, micro, length_sorted
+    )
+    return [[batch.select(mb) if mb else batch.padding_like(1) for mb in mbs] for mbs in rows], rows
+
+
+class LearnerGroup:
+    """The learner ranks as one object (after OpenRLHF's actor group): one ``LearnerWorker`` per rank in a
+    placement group, one torch.distributed group among them. It splits a ``TrajectoryBatch`` over the ranks
+    and puts the results back in row order, so its caller never sees ranks. A dead rank raises
+    ``LearnerLost`` from any call."""
+
+    def __init__(self, cfg: Config, model_dir):
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.cfg = cfg
+        lc, rc = cfg.learner, cfg.resources
+        bundle = {"CPU": rc.cpus_per_learner} | ({"GPU": rc.gpus_per_learner} if rc.gpus_per_learner else {})
+        bundle |= dict(rc.learner_custom_resources)
+        self.pg = placement_group([bundle] * lc.world_size, strategy="PACK")
+        ready, _ = ray.wait([self.pg.ready()], timeout=rc.placement_timeout_s)
+        if not ready:
+            remove_placement_group(self.pg)
+            raise RuntimeError(
+                f"the learner placement group ({lc.world_size} x {bundle}) could not be scheduled within "
+                f"{rc.placement_timeout_s:g} s (resources.placement_timeout_s)"
+            )
+        actor = ray.remote(
+            num_cpus=rc.cpus_per_learner,
+            num_gpus=rc.gpus_per_learner,
+            resources=dict(rc.learner_custom_resources) or None,
+        )(LearnerWorker)
+        port, cfg_dict = free_port(), to_dict(cfg)
+        self.workers = [
+            actor.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r)
+            ).remote(r, lc.world_size, port, str(model_dir), cfg_dict, lc.backend)
+            for r in range(lc.world_size)
+        ]
+        _gather([w.ready.remote() for w in self.workers])
+
+    @property
+    def world_size(self) -> int:
+        return len(self.workers)
+
+    def forward_old(self, batch: TrajectoryBatch) -> None:
+        """Fill ``batch.old_logprobs`` and ``batch.entropies`` ([B][L_i]) under the current policy."""
+        world, lc = self.world_size, self.cfg.learner
+        micro = lc.micro_rows(lc.mini_batch_size // world)
+        per_rank, rows = split_for_ranks(batch, world, micro, lc.length_sorted_micro_batches)
+        results = _gather([w.forward_old.remote(mbs) for w, mbs in zip(self.workers, per_rank)])
+        logp: list = [None] * len(batch)
+        ent: list = [None] * len(batch)
+        for res, rank_rows in zip(results, rows):
+            # a rank's results follow its micro-batches' rows; a padding micro-batch's one row has no index
+            for i, (lp, en) in zip([i for mb in rank_rows for i in mb], res):
+                logp[i], ent[i] = lp, en
+        batch.old_logprobs, batch.entropies = logp, ent
+
+    def update(self, batch: TrajectoryBatch, step: int) -> dict:
+        """PPO epochs over ``batch`` (old log-probs and advantages filled); returns the update's statistics.
+
+        Each epoch shuffles the rows (seeded by ``trainer.seed``, ``step`` and the epoch) into mini-batches of
+        ``learner.mini_batch_size``; each mini-batch's global loss denominator is fixed before any rank
+        computes a loss, and each rank gets its share of it in micro-batches of ``learner.micro_batch_size`` rows
+        (its whole share by default)."""
+        batch.require("old_logprobs", "advantage", "shaping")
+        lc, world = self.cfg.learner, self.world_size
+        agg = self.cfg.algo.loss_agg_mode
+        out: dict[str, float] = {}
+        for epoch in range(lc.ppo_epochs):
+            order = list(range(len(batch)))
+            random.Random(self.cfg.trainer.seed * 31 + step * 7 + epoch).shuffle(order)
+            minis = [batch.select(order[i : i + lc.mini_batch_size]) for i in range(0, len(order), lc.mini_batch_size)]
+            denoms = [aggregation_denominator(_loss_mask(mini), agg) for mini in minis]
+            if self.cfg.trainer.learner_feed == "streaming_split":
+                stats = self._update_streaming(minis, denoms)
+            else:
+                per_rank: list[list] = [[] for _ in range(world)]
+                for mini, denom in zip(minis, denoms):
+                    split, _ = split_for_ranks(
+                        mini, world, lc.micro_rows(math.ceil(len(mini) / world)), lc.length_sorted_micro_batches
+                    )
+                    for rank in range(world):
+                        per_rank[rank].append((split[rank], denom))
+                stats = _gather([w.update.remote(per_rank[r]) for r, w in enumerate(self.workers)])
+            out = merge_actor_stats(stats)  # the last epoch's numbers are reported
+            out.pop("rows", None)  # streaming_split's delivery count, checked in _update_streaming
+        return out
+
+    def _update_streaming(self, minis: list[TrajectoryBatch], denoms: list[float]) -> list[dict]:
+        """One epoch's mini-batches as a Ray Data dataset (one block per micro-batch's worth of rows), read by
+        the ranks through ``streaming_split``; each row carries its mini-batch index."""
+        world = self.world_size
+        micro = self.cfg.learner.micro_rows(math.ceil(self.cfg.learner.mini_batch_size / world))
+        flat = TrajectoryBatch.concat(minis)
+        mb_index = [k for k, mini in enumerate(minis) for _ in range(len(mini))]
+        blocks = [
+            flat.select(range(i, min(i + micro, len(flat)))).learner_table({"mb": mb_index[i : i + micro]})
+            for i in range(0, len(flat), micro)
+        ]
+        splits = ray.data.from_arrow(blocks).streaming_split(world, equal=False)  # equal=True would drop rows
+        stats = _gather([w.update_from_stream.remote(splits[r], denoms, micro) for r, w in enumerate(self.workers)])
+        delivered = merge_actor_stats(stats)["rows"]
+        if delivered != len(flat):
+            raise RuntimeError(
+                f"streaming_split delivered {delivered:.0f} rows to the ranks; the epoch has {len(flat)}"
+            )
+        return stats
+
+    def state_dict(self) -> dict:
+        """The full weights (HF names, CPU tensors), gathered on rank 0: every rank takes part, only rank 0's
+        copy comes back."""
+        refs = [w.full_state_dict.remote() for w in self.workers]
+        return _gather(refs)[0]
+
+    def save(self, path, tokenizer_dir) -> None:
+        """Rank 0 writes the HF model and the optimizer state into ``path`` (which must not exist yet)."""
+        _gather([w.save_checkpoint.remote(str(path), str(tokenizer_dir)) for w in self.workers])
+
+    def load(self, path) -> None:
+        _gather([w.load_checkpoint.remote(str(path)) for w in self.workers])
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """``graceful=False`` after a rank died: the survivors may be blocked in a collective, so they are
+        killed without asking."""
+        from ray.util.placement_group import remove_placement_group
+
+        for w in self.workers:
+            if graceful:
+                try:
+                    ray.get(w.shutdown.remote(), timeout=30)
+                except Exception:
+                    pass
+            ray.kill(w)
+        remove_placement_group(self.pg)
+
+
+def _loss_mask(batch: TrajectoryBatch) -> torch.Tensor:
+    """[B, max L_i] response loss mask, zero-padded."""
+    mask = torch.zeros(len(batch), max(len(t.loss_mask) for t in batch))
+    for i, t in enumerate(batch):
+        mask[i, : len(t.loss_mask)] = torch.tensor(t.loss_mask, dtype=torch.float32)
+    return mask

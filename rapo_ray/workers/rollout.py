@@ -1,0 +1,301 @@
+"""The rollout fleet: ``RolloutWorker`` actors (engine + agent loop + tools + retrieval handle) and the
+``RolloutFleet`` that feeds them prompt groups, grows and shrinks, and replaces dead workers.
+
+Exactly-once accounting: every group of a step has an id; the fleet hands out chunks of groups, records
+which worker holds which chunk, and when a worker dies re-queues exactly the groups of its unfinished
+chunk. Results are keyed by group id, so a group can never be counted twice.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import zlib
+from dataclasses import dataclass
+
+import ray
+
+from rapo_ray.agent.loop import AgentLoop, LoopSettings
+from rapo_ray.config import from_dict, to_dict
+from rapo_ray.core.devices import pick_device, set_deterministic
+from rapo_ray.core.errors import WORKER_DIED
+from rapo_ray.core.metrics import actor_stats, merge_actor_stats
+from rapo_ray.engines import make_engine
+from rapo_ray.envs.suite import build_tools
+from rapo_ray.model.factory import context_length, load_model_and_tokenizer, load_tokenizer, set_torch_threads
+from rapo_ray.retrieval.search_index import search_index_for
+from rapo_ray.retrieval.service import HandleStepRetriever
+from rapo_ray.types.batch import TrajectoryBatch
+from rapo_ray.workers.sync import SyncMember, receive_state
+
+
+class RolloutWorker(SyncMember):
+    def __init__(self, worker_id: int, model_dir: str, cfg_dict: dict, retrieval_app: str | None = None):
+        self.cfg = cfg = from_dict(cfg_dict)
+        set_torch_threads(cfg.rollout.threads_per_worker)
+        self.worker_id = worker_id
+        set_deterministic(cfg.run.deterministic)
+        self.tok = load_tokenizer(model_dir)
+        max_context = context_length(model_dir)  # the checkpoint's own window (a real model's, not the bundled default)
+        self.engine = make_engine(
+            cfg.rollout,
+            model_dir,
+            load_model_and_tokenizer,
+            dtype=cfg.model.dtype,
+            max_model_len=max_context,
+            seed=cfg.trainer.seed + worker_id,
+            device=pick_device(cfg.resources.gpus_per_rollout_worker, "resources.gpus_per_rollout_worker"),
+        )
+        self.tools = build_tools(cfg.tasks, cfg.rollout, search_index_for(cfg.tasks))
+        retriever = None
+        if retrieval_app:
+            import logging
+
+            from ray import serve
+
+            logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the handle's INFO lines stay out of the console
+
+            handle = serve.get_deployment_handle("StepRetriever", app_name=retrieval_app)
+            retriever = HandleStepRetriever(
+                handle,
+                cfg.retrieval.noise_prob,
+                cfg.retrieval.question_scope,
+                seed=cfg.trainer.seed + 1000 + worker_id,
+                max_chars=cfg.retrieval.query_max_chars,
+                timeout_s=cfg.retrieval.timeout_s,
+            )
+        self.train_settings = LoopSettings.from_config(cfg)
+        self.eval_settings = LoopSettings.from_config(cfg, evaluation=True)
+        self.train_settings.max_context = self.eval_settings.max_context = max_context
+        self.loop_cls = AgentLoop  # imported lazily above (actor-side imports)
+        self.retriever = retriever
+        self.last_receive: dict = {}
+
+    def ready(self) -> dict:
+        return {
+            "worker_id": self.worker_id,
+            "engine": self.engine.name,
+            "version": self.engine.version,
+            "node_id": ray.get_runtime_context().get_node_id(),
+        }
+
+    def rollout(self, groups: list[tuple], group_size: int, n_hybrid: int, seed: int, evaluation: bool = False) -> dict:
+        """``groups``: (group_id, Task) pairs. Returns the trajectories as a ``TrajectoryBatch`` and timing stats."""
+        import copy
+
+        settings = copy.copy(self.eval_settings if evaluation else self.train_settings)
+        settings.seed = seed
+        loop = self.loop_cls(
+            self.engine, self.tok, self.tools, settings, retriever=None if evaluation else self.retriever
+        )
+        t0 = time.perf_counter()
+        trajs, stats = loop.run_groups([t for _, t in groups], group_size, n_hybrid, group_ids=[g for g, _ in groups])
+        timings = {"generate_s": stats.generate_s, "tool_s": stats.tool_s, "retrieve_s": stats.retrieve_s}
+        return {
+            "batch": TrajectoryBatch(trajs),
+            "worker_id": self.worker_id,
+            "stats": actor_stats({**timings, "slowest_chunk_s": time.perf_counter() - t0}, {"slowest_chunk_s": "max"}),
+        }
+
+    # ------------------------------------------------------------ weights
+
+    def receive_weights(self) -> int:
+        """Receive one push from the learner and load it into the engine once complete; returns its version."""
+        if self._sync_group is None:
+            raise RuntimeError(f"rollout worker {self.worker_id} is in no weight-sync group")
+        t0 = time.perf_counter()
+        try:
+            version, state_dict = receive_state(self._sync_group)
+        except BaseException:
+            self._sync_group = None  # aborted; the driver forms a new group
+            raise
+        t1 = time.perf_counter()
+        self.engine.load_weights(state_dict, version)
+        self.last_receive = {  # bench_sync reports it
+            "receive_s": t1 - t0,
+            "load_s": time.perf_counter() - t1,
+            **self._sync_group.last_receive,
+        }
+        return version
+
+    def state_dict(self) -> dict:
+        model = getattr(self.engine, "model", None)
+        if model is None:
+            raise RuntimeError("state_dict needs the torch engine")
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    def close(self) -> bool:
+        self.tools.close()
+        self.engine.close()
+        return True
+
+
+@dataclass
+class FleetEvent:
+    time: float
+    kind: str  # "start" | "scale_up" | "scale_down" | "replaced" | "requeued"
+    detail: str
+
+
+class RolloutFleet:
+    """Owns the rollout workers; ``run_step`` distributes a step's groups and collects every one exactly once."""
+
+    def __init__(self, model_dir: str, cfg, retrieval_app: str | None, on_new_workers=None):
+        self.cfg, self.model_dir, self.retrieval_app = cfg, str(model_dir), retrieval_app
+
+        self.cfg_dict = to_dict(cfg)
+        rc = cfg.resources
+        self.actor_cls = ray.remote(
+            num_cpus=rc.cpus_per_rollout_worker,
+            num_gpus=rc.gpus_per_rollout_worker,
+            resources=dict(rc.rollout_custom_resources) or None,
+            max_restarts=0,
+            max_concurrency=1,
+        )(RolloutWorker)
+        self.workers: dict[int, ray.actor.ActorHandle] = {}
+        self._next_id = 0
+        self.events: list[FleetEvent] = []
+        self.start_timeout_s = cfg.resources.placement_timeout_s
+        # called with the handles of workers that joined (scale-up, replacement) before they take work: the
+        # trainer sends them the current weights (they start from the model folder)
+        self.on_new_workers = on_new_workers
+        self.scale(cfg.rollout.num_workers)
+
+    # ------------------------------------------------------------ membership
+
+    def _start(self, n: int, bring_up: bool = True) -> list[int]:
+        """Start ``n`` workers; with ``bring_up``, hand them to ``on_new_workers`` (the current weights)."""
+        ids = []
+        for _ in range(n):
+            wid = self._next_id
+            self._next_id += 1
+            self.workers[wid] = self.actor_cls.remote(wid, self.model_dir, self.cfg_dict, self.retrieval_app)
+            ids.append(wid)
+        try:
+            ray.get([self.workers[w].ready.remote() for w in ids], timeout=self.start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(
+                f"{len(ids)} rollout worker(s) did not start within {self.start_timeout_s:.0f} s: the cluster cannot "
+                f"place actors needing {self.cfg.resources.cpus_per_rollout_worker:g} CPU / "
+                f"{self.cfg.resources.gpus_per_rollout_worker:g} GPU each"
+            ) from None
+        if bring_up and self.on_new_workers is not None:
+            self.on_new_workers([self.workers[w] for w in ids])
+        return ids
+
+    def scale(self, n: int) -> None:
+        n = max(self.cfg.rollout.min_workers, min(self.cfg.rollout.max_workers, n))
+        cur = len(self.workers)
+        if n > cur:
+            ids = self._start(n - cur)
+            self.events.append(FleetEvent(time.time(), "scale_up" if cur else "start", f"+{len(ids)} -> {n}"))
+        elif n < cur:
+            for wid in sorted(self.workers)[n - cur :]:
+                w = self.workers.pop(wid)
+                try:
+                    ray.get(w.close.remote(), timeout=30)
+                except Exception:
+                    pass
+                ray.kill(w)
+            self.events.append(FleetEvent(time.time(), "scale_down", f"-{cur - n} -> {n}"))
+
+    def replace_dead(self, during: str, timeout_s: float = 30.0, bring_up: bool = True) -> int:
+        """Ping every worker; replace each one that is dead, or that does not answer within ``timeout_s`` (killed
+        first: an idle worker answers in milliseconds). The new ones get the current weights
+        (``on_new_workers``) before they take work, unless ``bring_up`` is False (the caller pushes to the whole
+        fleet next). For phases outside ``run_step`` (weight sync), which must not fail the run for a worker that
+        died while idle. Returns how many were replaced."""
+        pings = {self.workers[w].ready.remote(): w for w in sorted(self.workers)}
+        dead = []
+        for ref, wid in pings.items():
+            try:
+                ray.get(ref, timeout=timeout_s)
+            except WORKER_DIED:
+                dead.append((wid, "found dead"))
+            except ray.exceptions.GetTimeoutError:
+                ray.kill(self.workers[wid])
+                dead.append((wid, f"did not answer in {timeout_s:.0f} s"))
+        for wid, why in dead:
+            self.workers.pop(wid, None)
+            self.events.append(FleetEvent(time.time(), "replaced", f"worker {wid} {why} during {during}"))
+        if dead:
+            self._start(len(dead), bring_up)
+        return len(dead)
+
+    def autoscale(self, backlog_groups: int, groups_per_worker: int = 2) -> int:
+        """Backlog policy: one worker per ``groups_per_worker`` queued groups, within [min, max]."""
+        want = math.ceil(backlog_groups / max(groups_per_worker, 1)) if backlog_groups else self.cfg.rollout.min_workers
+        self.scale(want)
+        return len(self.workers)
+
+    # ------------------------------------------------------------ work
+
+    def run_step(
+        self, groups: list[tuple], group_size: int, n_hybrid: int, seed: int, evaluation: bool = False, on_dispatch=None
+    ) -> tuple[TrajectoryBatch, dict]:
+        """Roll out every group once. A dead worker's unfinished groups go back to the queue and the worker
+        is replaced. Returns the step's batch, ordered by (group, slot), and per-step stats: the workers'
+        ``generate_s``/``tool_s``/``retrieve_s`` summed, ``slowest_chunk_s`` (max), ``requeued_groups`` and
+        ``replaced_workers``."""
+        queue = list(groups)
+        done: dict[str, TrajectoryBatch] = {}
+        inflight: dict[ray.ObjectRef, tuple[int, list[tuple]]] = {}
+        worker_stats: list[dict] = []
+        lost = {"requeued_groups": 0, "replaced_workers": 0}
+        chunk = max(1, math.ceil(len(groups) / max(len(self.workers), 1)))
+        while queue or inflight:
+            busy = {wid for wid, _ in inflight.values()}
+            for wid in [w for w in self.workers if w not in busy]:
+                if not queue:
+                    break
+                take, queue = queue[:chunk], queue[chunk:]
+                gseed = (seed * 1_000_003 + sum(zlib.crc32(str(g).encode()) for g, _ in take)) % (2**31)
+                ref = self.workers[wid].rollout.remote(take, group_size, n_hybrid, gseed, evaluation)
+                inflight[ref] = (wid, take)
+                if on_dispatch:
+                    on_dispatch(wid, take)
+            ready, _ = ray.wait(list(inflight), num_returns=1)
+            ref = ready[0]
+            wid, take = inflight.pop(ref)
+            try:
+                res = ray.get(ref)
+            except WORKER_DIED as exc:
+                queue = list(take) + queue
+                lost["requeued_groups"] += len(take)
+                self.workers.pop(wid, None)
+                self.events.append(
+                    FleetEvent(
+                        time.time(),
+                        "requeued",
+                        f"worker {wid} died ({type(exc).__name__}); {len(take)} groups re-queued",
+                    )
+                )
+                self._start(1)
+                lost["replaced_workers"] += 1
+                self.events.append(FleetEvent(time.time(), "replaced", f"worker {wid} replaced"))
+                continue
+            chunk_batch: TrajectoryBatch = res["batch"]
+            by_group: dict[str, list[int]] = {}
+            for i, gid in enumerate(chunk_batch.group_ids()):
+                by_group.setdefault(gid, []).append(i)
+            for gid, idx in by_group.items():
+                idx.sort(key=lambda i: chunk_batch.trajectories[i].slot)
+                done.setdefault(gid, chunk_batch.select(idx))  # first result wins; a duplicate can never be added twice
+            worker_stats.append(res["stats"])
+        missing = [g for g, _ in groups if g not in done]
+        if missing:
+            raise RuntimeError(f"rollout lost groups {missing[:5]}")
+        stats = {"generate_s": 0.0, "tool_s": 0.0, "retrieve_s": 0.0, **merge_actor_stats(worker_stats), **lost}
+        return TrajectoryBatch.concat([done[g] for g, _ in groups]), stats
+
+    def handles(self) -> list:
+        return [self.workers[w] for w in sorted(self.workers)]
+
+    def shutdown(self):
+        for w in self.workers.values():
+            try:
+                ray.get(w.close.remote(), timeout=30)
+            except Exception:
+                pass
+            ray.kill(w)
+        self.workers.clear()

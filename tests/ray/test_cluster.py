@@ -1,0 +1,45 @@
+"""Multi-node simulations on this box: a fake autoscaler, a rollout node lost mid-step, a learner node lost."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _sim(scenario: str, timeout_s: int = 400) -> dict:
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "cluster_sim.py"), scenario, "--timeout", "120"],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=REPO,
+    )
+    lines = [l for l in proc.stdout.splitlines() if l.startswith('{"scenario"')]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1])
+
+
+def test_fleet_autoscaling_adds_and_removes_fake_nodes():
+    r = _sim("autoscale")
+    assert r["nodes_at_start"] == 1 and r["nodes_with_1_worker"] == 2  # the first worker needed a node
+    assert r["workers_after_scale_up"] == 3 and r["nodes_after_scale_up"] == 4  # backlog 6 groups / 2 per worker
+    assert r["groups_done"] == 6
+    assert r["workers_after_scale_down"] == 1 and r["nodes_after_scale_down"] == 2  # idle nodes were removed
+
+
+def test_rollout_node_loss_mid_step_loses_no_group():
+    r = _sim("node-loss")
+    assert r["requeued_groups"] == r["killed_worker_groups"] > 0 and r["replaced_workers"] == 1
+    assert r["groups_done"] == r["groups"] and r["rows"] == r["rows_expected"] and r["each_group_once"]
+    assert r["workers_after"] == 2
+
+
+def test_learner_node_loss_resumes_from_checkpoint():
+    r = _sim("learner-loss")
+    assert r["learner_failures"] == 1 and r["steps"] == 8
+    assert r["logged_steps"][-1] == 8 and set(range(1, 9)) <= set(r["logged_steps"])
+    assert any("resumed at step 2" in l for l in r["log"])

@@ -1,0 +1,412 @@
+"""The Ray actors on a local Ray: fleet accounting and scaling, dead workers, the weight sync, learner updates and
+checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+from rapo_ray.types.trajectory import Task
+from tests.conftest import tiny_config
+
+
+@pytest.fixture(scope="module")
+def fleet_cfg(tiny_model_dir, tmp_path_factory):
+    return tiny_config(
+        tmp_path_factory.mktemp("fleet"),
+        f"model.path={tiny_model_dir}",
+        "rollout.engine=torch",
+        "rollout.num_workers=2",
+        "rollout.max_workers=3",
+        "rollout.max_response_tokens=48",
+        "rollout.max_step_tokens=16",
+        "resources.cpus_per_rollout_worker=0.5",
+    )
+
+
+def _groups(n):
+    return [(f"g{i}", Task(f"t{i}", f"Who is the mentor of Ka{i}?", ("x",))) for i in range(n)]
+
+
+def _move_weights(learners, step: float) -> None:
+    """Shift every learner parameter (each rank its own FSDP shard) by ``step``: a stand-in for an update."""
+
+    def shift(worker, step):
+        with torch.no_grad():
+            for p in worker.model.parameters():
+                p.add_(step)
+        return True
+
+    ray.get([w.__ray_call__.remote(shift, step) for w in learners.workers])
+
+
+def _optimizer_step(learners) -> None:
+    """One AdamW step on every rank with a made-up gradient: what an update does to the parameters (the weight
+    sync keeps views of them between pushes, which must follow)."""
+
+    def step(worker):
+        for p in worker.model.parameters():
+            p.grad = torch.full_like(p, 0.5)
+        worker.opt.step()
+        worker.opt.zero_grad()
+        return True
+
+    ray.get([w.__ray_call__.remote(step) for w in learners.workers])
+
+
+def _assert_workers_hold(fleet, learners, version, dtype=torch.float32):
+    """Every worker's engine holds the learners' weights bit for bit, as cast to the wire ``dtype``."""
+    want = learners.state_dict()
+    for w in fleet.handles():
+        got = ray.get(w.state_dict.remote())
+        assert ray.get(w.ready.remote())["version"] == version
+        for k, v in want.items():
+            assert torch.equal(got[k], v.to(dtype).to(got[k].dtype)), k
+
+
+@pytest.fixture
+def sync_parts(ray_session, fleet_cfg, tiny_model_dir):
+    """Two FSDP learner ranks, a two-worker fleet whose new workers are brought up to date, and the sync."""
+    from dataclasses import replace
+
+    from rapo_ray.workers.learner import LearnerGroup
+    from rapo_ray.workers.rollout import RolloutFleet
+    from rapo_ray.workers.sync import WeightSync
+
+    cfg = replace(fleet_cfg, resources=replace(fleet_cfg.resources, cpus_per_learner=0.5))
+    learners = LearnerGroup(cfg, tiny_model_dir)
+    sync = WeightSync(bucket_mb=0.05, timeout_s=120)  # several buckets
+    state = {"version": 0}
+
+    def bring_up_to_date(workers):
+        if state["version"]:
+            sync.push(learners.workers, workers, state["version"])
+
+    fleet = RolloutFleet(tiny_model_dir, cfg, retrieval_app=None, on_new_workers=bring_up_to_date)
+    try:
+        yield learners, fleet, sync, state
+    finally:
+        fleet.shutdown()
+        learners.shutdown()
+        sync.close()
+
+
+def _kill(worker):
+    ray.kill(worker, no_restart=True)
+    with pytest.raises(ray.exceptions.RayActorError):
+        for _ in range(100):  # until the kill has landed
+            ray.get(worker.ready.remote())
+
+
+def test_killed_worker_loses_no_group(ray_session, fleet_cfg, tiny_model_dir):
+    from rapo_ray.workers.rollout import RolloutFleet
+
+    fleet = RolloutFleet(tiny_model_dir, fleet_cfg, retrieval_app=None)
+    try:
+        killed = []
+
+        def kill_first(wid, take):  # kill the first worker right after it received its chunk
+            if not killed:
+                killed.append(wid)
+                ray.kill(fleet.workers[wid])
+
+        groups = _groups(6)
+        batch, stats = fleet.run_step(groups, group_size=2, n_hybrid=0, seed=1, on_dispatch=kill_first)
+        assert killed and stats["requeued_groups"] >= 1 and stats["replaced_workers"] == 1
+        ids = [(t.group_id, t.slot) for t in batch]
+        assert sorted(ids) == sorted((g, s) for g, _ in groups for s in range(2))  # every group once, each slot once
+        assert len(fleet.workers) == 2
+    finally:
+        fleet.shutdown()
+
+
+def test_scale_up_down_and_weight_sync(sync_parts):
+    """Issue #19: the learners send to the engines directly; a worker added mid-run holds the current version
+    before its first rollout; the group is rebuilt for every membership; bf16 on the wire is bf16 in the engine."""
+    from rapo_ray.workers.sync import WeightSync
+
+    learners, fleet, sync, state = sync_parts
+    _move_weights(learners, 0.01)
+    assert sync.push(learners.workers, fleet.handles(), 3) > 0
+    state["version"] = 3
+    _assert_workers_hold(fleet, learners, 3)
+    assert sync.last["bytes"] > 0 and sync.last["buckets"] > 1
+    before = learners.state_dict()
+    _optimizer_step(learners)
+    sync.push(learners.workers, fleet.handles(), 3)  # (same version number: only the weights are checked here)
+    _assert_workers_hold(fleet, learners, 3)
+    assert any(not torch.equal(before[k], v) for k, v in learners.state_dict().items())
+    fleet.scale(3)  # the new worker is brought up to date before it takes work
+    assert len(fleet.workers) == 3
+    _assert_workers_hold(fleet, learners, 3)
+    _move_weights(learners, -0.02)
+    sync.push(learners.workers, fleet.handles(), 4)  # the group is rebuilt for 3 members
+    state["version"] = 4
+    _assert_workers_hold(fleet, learners, 4)
+    half = WeightSync(bucket_mb=0.05, timeout_s=120, dtype="bfloat16")
+    half.push(learners.workers, fleet.handles(), 5)
+    _assert_workers_hold(fleet, learners, 5, dtype=torch.bfloat16)
+    assert half.last["bytes"] < sync.last["bytes"] * 0.55  # half the bytes of fp32 (plus alignment)
+    fleet.scale(1)
+    assert len(fleet.workers) == 1
+    batch, _ = fleet.run_step(_groups(2), 2, 0, seed=0)
+    assert len(batch) == 4 and {t.policy_version for t in batch} == {5}
+    assert fleet.autoscale(backlog_groups=5, groups_per_worker=2) == 3  # ceil(5/2) capped by max_workers
+    assert fleet.autoscale(backlog_groups=0) == 1
+    assert [e.kind for e in fleet.events][:3] == ["start", "scale_up", "scale_down"]
+
+
+def test_a_worker_that_dies_outside_a_rollout_is_replaced_at_the_weight_push(sync_parts):
+    """Issue #22: a rollout worker killed after its rollout (during the old-logprob pass or the update) used to end
+    the run at the next weight push. Now it is replaced with the current weights, whether the push meets it dead in
+    the group of the last push or finds it dead before forming a new group. A push to an unchanged group pings no
+    one, and a replacement gets one push, not a bring-up push and then the fleet's."""
+    from rapo_ray.training.trainer import push_weights
+
+    learners, fleet, sync, state = sync_parts
+    pings = []
+    check = fleet.replace_dead
+    fleet.replace_dead = lambda *args, **kw: (pings.append(args), check(*args, **kw))[1]
+
+    def push(version: int) -> tuple[int, int]:
+        """(workers replaced, groups formed) by one push_weights."""
+        _move_weights(learners, 0.01)
+        state["version"] = version  # what the trainer's version is once the learners updated
+        generation = sync.generation
+        replaced = push_weights(sync, fleet, learners.workers, version)
+        _assert_workers_hold(fleet, learners, version)
+        return replaced, sync.generation - generation
+
+    assert push(1) == (0, 1) and len(pings) == 1  # the first push forms the group: the fleet is checked first
+    assert push(2) == (0, 0) and len(pings) == 1  # same group: no ping
+    _kill(fleet.handles()[0])  # died while idle, after its rollout: the push meets it, then replaces and retries
+    assert push(3) == (1, 1) and len(fleet.workers) == 2 and len(pings) == 2
+    sync.reset()  # a new group is due (as after a failed push): a dead worker is found before the group forms
+    _kill(fleet.handles()[1])
+    assert push(4) == (1, 1) and len(fleet.workers) == 2 and len(pings) == 3
+    batch, _ = fleet.run_step(_groups(2), 2, 0, seed=0)
+    assert len(batch) == 4
+    assert sum(e.kind == "replaced" for e in fleet.events) == 2
+
+
+def test_a_worker_killed_during_the_broadcast_neither_hangs_the_push_nor_loads_a_mixed_version(sync_parts):
+    """Issue #19: a member dying mid-push aborts the group: the survivors load nothing of the failed push (they keep
+    the previous version whole), no learner rank is left waiting, and the retry brings everyone to
+    the new version."""
+    import threading
+    import time
+
+    from rapo_ray.core.errors import WORKER_DIED
+    from rapo_ray.training.trainer import push_weights
+
+    learners, fleet, sync, state = sync_parts
+    _move_weights(learners, 0.01)
+    sync.push(learners.workers, fleet.handles(), 1)
+    state["version"] = 1
+    before = learners.state_dict()
+    _move_weights(learners, 0.01)
+
+    def slow_sender(worker):  # 0.2 s per bucket on learner rank 0, so the kill lands mid-push
+        import time
+
+        import rapo_ray.workers.sync as sync_module
+
+        fast = sync_module.pack_segment
+        sync_module.pack_segment = lambda *args: (time.sleep(0.2), fast(*args))[1]
+        return True
+
+    ray.get(learners.workers[0].__ray_call__.remote(slow_sender))
+    victim, survivor = fleet.handles()
+    timer = threading.Timer(0.5, lambda: ray.kill(victim, no_restart=True))
+    timer.start()
+    t0 = time.perf_counter()
+    with pytest.raises(WORKER_DIED):
+        sync.push(learners.workers, fleet.handles(), 2)
+    timer.join()
+    assert time.perf_counter() - t0 < 30  # failed at once, not at the 120 s timeout
+    assert sync.last["buckets"] > 3  # (of push 1) the kill landed before the last bucket
+    got = ray.get(survivor.state_dict.remote())
+    assert ray.get(survivor.ready.remote())["version"] == 1
+    assert all(torch.equal(got[k], v) for k, v in before.items())  # version 1 whole: nothing of version 2
+    state["version"] = 2
+    assert push_weights(sync, fleet, learners.workers, 2) == 1
+    _assert_workers_hold(fleet, learners, 2)
+
+
+def test_kl_penalty_pulls_the_policy_back_to_the_starting_model(ray_session, fleet_cfg, tiny_model_dir):
+    """algo.kl_coef > 0: the learner keeps a frozen copy of the starting model; KL is 0 before any update,
+    > 0 after a policy-gradient step, and zero-advantage updates (KL term only) shrink it again."""
+    from dataclasses import asdict, replace
+
+    from rapo_ray.core.metrics import merge_actor_stats
+    from rapo_ray.core.net import free_port
+    from rapo_ray.types.batch import TrajectoryBatch
+    from rapo_ray.types.trajectory import Trajectory
+    from rapo_ray.workers.learner import LearnerWorker
+
+    cfg = replace(
+        fleet_cfg, algo=replace(fleet_cfg.algo, kl_coef=1.0), learner=replace(fleet_cfg.learner, lr=3e-3, world_size=1)
+    )
+    actor = ray.remote(num_cpus=0.5)(LearnerWorker).remote(0, 1, free_port(), str(tiny_model_dir), asdict(cfg), "gloo")
+    try:
+        # 4 rows: 3 prompt tokens, 6..9 response tokens, all trained on
+        trajs = [
+            Trajectory(
+                f"g{i}",
+                i,
+                "on_policy",
+                f"p{i}",
+                "qa",
+                (),
+                prompt_ids=[3, 4, 5],
+                response_ids=list(range(6, 12 + i)),
+                loss_mask=[1] * (6 + i),
+            )
+            for i in range(4)
+        ]
+        batch = TrajectoryBatch(trajs)
+        old = ray.get(actor.forward_old.remote([batch]))
+        batch.old_logprobs = [logp for logp, _ in old]
+        batch.advantage, batch.shaping = [1.0 if i % 2 else -1.0 for i in range(4)], [1.0] * 4
+        denominator = float(sum(len(t.loss_mask) for t in trajs))
+        push = merge_actor_stats([ray.get(actor.update.remote([([batch], denominator)]))])
+        assert push["kl_ref"] == pytest.approx(0.0, abs=1e-7)  # the first forward is the reference itself
+        moved = ray.get(actor.forward_old.remote([batch]))
+        batch.old_logprobs, batch.advantage = [logp for logp, _ in moved], [0.0] * 4
+        kls = [merge_actor_stats([ray.get(actor.update.remote([([batch], denominator)]))])["kl_ref"] for _ in range(4)]
+        assert kls[0] > 1e-4 and kls[-1] < 0.5 * kls[0]
+    finally:
+        ray.get(actor.shutdown.remote())
+        ray.kill(actor)
+
+
+def test_micro_batches_accumulate_to_the_same_update(ray_session, fleet_cfg, tiny_model_dir):
+    """learner.micro_batch_size: a mini-batch's rows in 1-row micro-batches (gradients accumulated) give the
+    update that one 4-row micro-batch gives, to float tolerance; and the config splits a share as asked."""
+    from dataclasses import asdict, replace
+
+    from rapo_ray.core.metrics import merge_actor_stats
+    from rapo_ray.core.net import free_port
+    from rapo_ray.types.batch import TrajectoryBatch
+    from rapo_ray.types.trajectory import Trajectory
+    from rapo_ray.workers.learner import LearnerWorker
+
+    assert replace(fleet_cfg.learner, micro_batch_size=0).micro_rows(8) == 8
+    assert replace(fleet_cfg.learner, micro_batch_size=3).micro_rows(8) == 3
+    assert replace(fleet_cfg.learner, micro_batch_size=3).micro_rows(2) == 2
+    cfg = replace(fleet_cfg, learner=replace(fleet_cfg.learner, lr=3e-3, world_size=1))
+    trajs = [
+        Trajectory(f"g{i}", i, "on_policy", f"p{i}", "qa", (), prompt_ids=[3, 4, 5],
+                   response_ids=list(range(6, 12 + i)), loss_mask=[1] * (6 + i))
+        for i in range(4)
+    ]  # fmt: skip
+    batch = TrajectoryBatch(trajs)
+    denominator = float(sum(len(t.loss_mask) for t in trajs))
+    results = []
+    for split in ([batch], [batch.select([i]) for i in range(4)]):
+        actor = ray.remote(num_cpus=0.5)(LearnerWorker).remote(
+            0, 1, free_port(), str(tiny_model_dir), asdict(cfg), "gloo"
+        )
+        try:
+            old = ray.get(actor.forward_old.remote([batch]))
+            for mb in split:
+                rows = [trajs.index(t) for t in mb.trajectories]
+                mb.old_logprobs = [old[r][0] for r in rows]
+                mb.advantage, mb.shaping = [1.0 if r % 2 else -1.0 for r in rows], [1.0] * len(rows)
+            stats = merge_actor_stats([ray.get(actor.update.remote([(split, denominator)]))])
+            after = ray.get(actor.forward_old.remote([batch]))
+            results.append((stats, [lp for lp, _ in after], [lp for lp, _ in old]))
+        finally:
+            ray.get(actor.shutdown.remote())
+            ray.kill(actor)
+    (whole, after_whole, old), (micro, after_micro, _) = results
+    assert micro["loss_sum"] == pytest.approx(whole["loss_sum"], abs=1e-6)
+    assert micro["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
+    moved = max(abs(a - b) for row_a, row_b in zip(after_whole, old) for a, b in zip(row_a, row_b))
+    gap = max(abs(a - b) for row_a, row_b in zip(after_whole, after_micro) for a, b in zip(row_a, row_b))
+    assert moved > 1e-3 and gap < 1e-4 * moved
+
+
+def test_forward_old_puts_length_sorted_micro_batches_back_in_row_order(ray_session, fleet_cfg):
+    """With ``learner.length_sorted_micro_batches`` a rank sees its rows out of order; the group must still fill
+    ``old_logprobs`` / ``entropies`` row by row (ranks here echo each row's length and slot)."""
+    from dataclasses import replace
+
+    from rapo_ray.types.batch import TrajectoryBatch
+    from rapo_ray.types.trajectory import Trajectory
+    from rapo_ray.workers.learner import LearnerGroup
+
+    @ray.remote(num_cpus=0)
+    class Echo:
+        def forward_old(self, micro_batches):
+            return [([float(len(t.response_ids))], [float(t.slot)]) for mb in micro_batches for t in mb.trajectories]
+
+    lengths = [30, 3, 4, 31, 5, 29, 6, 2, 33]
+    trajs = [
+        Trajectory(f"g{i}", i, "on_policy", f"p{i}", "qa", (), prompt_ids=[3, 4], response_ids=[7] * n,
+                   loss_mask=[1] * n)
+        for i, n in enumerate(lengths)
+    ]  # fmt: skip
+    group = LearnerGroup.__new__(LearnerGroup)
+    group.workers = [Echo.remote(), Echo.remote()]
+    for length_sorted in (True, False):
+        learner = replace(fleet_cfg.learner, world_size=2, mini_batch_size=8, length_sorted_micro_batches=length_sorted)
+        group.cfg = replace(fleet_cfg, learner=learner)
+        batch = TrajectoryBatch(trajs)
+        group.forward_old(batch)
+        assert batch.old_logprobs == [[float(n)] for n in lengths]
+        assert batch.entropies == [[float(i)] for i in range(len(lengths))]
+
+
+def test_checkpoint_in_a_lower_dtype_keeps_fp32_master_weights(ray_session, fleet_cfg, tiny_model_dir, tmp_path):
+    """model.dtype=bfloat16: the checkpoint is an HF folder in bf16 (what engines and serving load), and a resume
+    continues from the exact fp32 master weights kept in optimizer.pt, not from their bf16 rounding."""
+    from dataclasses import asdict, replace
+
+    from safetensors import safe_open
+
+    from rapo_ray.core.net import free_port
+    from rapo_ray.model.factory import load_model
+    from rapo_ray.types.batch import TrajectoryBatch
+    from rapo_ray.types.trajectory import Trajectory
+    from rapo_ray.workers.learner import LearnerWorker
+
+    cfg = replace(
+        fleet_cfg,
+        model=replace(fleet_cfg.model, dtype="bfloat16"),
+        learner=replace(fleet_cfg.learner, lr=3e-3, world_size=1),
+    )
+    make = ray.remote(num_cpus=0.5)(LearnerWorker)
+    trajs = [
+        Trajectory(f"g{i}", i, "on_policy", f"p{i}", "qa", (), prompt_ids=[3, 4, 5],
+                   response_ids=list(range(6, 12 + i)), loss_mask=[1] * (6 + i))
+        for i in range(2)
+    ]  # fmt: skip
+    batch = TrajectoryBatch(trajs)
+    path = tmp_path / "step-1"
+    actor = make.remote(0, 1, free_port(), str(tiny_model_dir), asdict(cfg), "gloo")
+    try:
+        batch.old_logprobs = [lp for lp, _ in ray.get(actor.forward_old.remote([batch]))]
+        batch.advantage, batch.shaping = [1.0, -1.0], [1.0, 1.0]
+        ray.get(actor.update.remote([([batch], 13.0)]))
+        trained = ray.get(actor.full_state_dict.remote())
+        assert ray.get(actor.save_checkpoint.remote(str(path), str(tiny_model_dir)))
+    finally:
+        ray.get(actor.shutdown.remote())
+        ray.kill(actor)
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    hf = load_model(path, dtype="bfloat16")
+    assert torch.equal(hf.model.norm.weight, trained["model.norm.weight"].to(torch.bfloat16))
+    blob = torch.load(path / "optimizer.pt", weights_only=True)
+    assert all(torch.equal(blob["master"][k], v) for k, v in trained.items())
+    actor = make.remote(0, 1, free_port(), str(tiny_model_dir), asdict(cfg), "gloo")
+    try:
+        ray.get(actor.load_checkpoint.remote(str(path)))
+        resumed = ray.get(actor.full_state_dict.remote())
+    finally:
+        ray.get(actor.shutdown.remote())
+        ray.kill(actor)
+    assert all(torch.equal(resumed[k], v) for k, v in trained.items())
+    assert any(not torch.equal(v, v.to(torch.bfloat16).float()) for v in trained.values())  # bf16 would lose bits

@@ -1,0 +1,53 @@
+"""Checkpoint manifests: a cut-short checkpoint is found by its manifest and a resume falls back to the newest
+complete one."""
+
+from __future__ import annotations
+
+import pytest
+
+from rapo_ray.core.errors import CheckpointError
+from rapo_ray.training.checkpoints import MANIFEST, newest_complete, problem, write_manifest
+
+
+def _checkpoint(root, step: int):
+    path = root / f"step-{step:06d}"
+    path.mkdir(parents=True)
+    (path / "model.safetensors").write_bytes(bytes(range(256)) * 40)
+    (path / "optimizer.pt").write_bytes(b"o" * 5000)
+    (path / "trainer_state.json").write_text('{"step": %d}' % step)
+    write_manifest(path)
+    (path / "COMPLETE").write_text("ok\n")
+    return path
+
+
+def test_the_manifest_names_what_is_wrong_and_resume_falls_back(tmp_path):
+    ck = tmp_path / "checkpoints"
+    assert newest_complete(ck) is None  # nothing saved yet: a fresh start
+    old, new = _checkpoint(ck, 4), _checkpoint(ck, 8)
+    assert problem(old) is None and problem(new) is None and newest_complete(ck) == new
+
+    (new / "optimizer.pt").write_bytes(b"o" * 100)  # truncated: a driver killed mid-write, a full disk
+    assert problem(new) == "optimizer.pt is 100 bytes, the manifest says 5000 (truncated or rewritten)"
+    warnings = []
+    assert newest_complete(ck, warnings.append) == old
+    assert len(warnings) == 1 and "step-000008" in warnings[0] and "optimizer.pt is 100 bytes" in warnings[0]
+
+    (old / "model.safetensors").write_bytes(bytes(reversed(range(256))) * 40)  # same size, other bytes
+    assert problem(old) == "model.safetensors does not match its SHA-256 in the manifest (corrupted)"
+    assert problem(old, hashes=False) is None  # sizes alone (what pruning checks) cannot see it
+    with pytest.raises(CheckpointError, match="no complete checkpoint to resume") as err:
+        newest_complete(ck)
+    assert "step-000004" in str(err.value) and "step-000008" in str(err.value)
+
+    cut = ck / "step-000012"
+    cut.mkdir()
+    (cut / "trainer_state.json").write_text("{}")
+    assert problem(cut) == f"no {MANIFEST} (the save did not finish)"
+    (new / "optimizer.pt").write_bytes(b"o" * 5000)
+    (new / "trainer_state.json").unlink()
+    assert problem(new) == "trainer_state.json is missing"
+
+    legacy = tmp_path / "legacy" / "step-000002"  # saved before manifests: its COMPLETE marker is trusted
+    legacy.mkdir(parents=True)
+    (legacy / "COMPLETE").write_text("ok\n")
+    assert newest_complete(legacy.parent) == legacy

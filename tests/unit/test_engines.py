@@ -1,0 +1,259 @@
+"""The torch engine against transformers: greedy tokens, logprobs, entropies, stops, weight updates, sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rapo_ray.algos.entropy import token_entropy_from_logits
+from rapo_ray.engines import SamplingParams
+from rapo_ray.engines.torch_engine import TorchEngine, sample_tokens
+from rapo_ray.envs import tasks
+from rapo_ray.model.factory import load_model
+from rapo_ray.types import protocol
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_tokenizer):
+    probs = tasks.generate("arith", "test", 3, 0) + tasks.generate("multihop", "test", 3, 0)
+    return [tiny_tokenizer(protocol.render_prompt(p.question), add_special_tokens=False)["input_ids"] for p in probs]
+
+
+def hf_greedy(model, prompt, n):
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def teacher_forced(model, prompt, generated):
+    ids = torch.tensor([prompt + generated])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(generated)[:, None])[:, 0]
+    return logp, token_entropy_from_logits(logits)
+
+
+def check_engine_against_hf(engine, model, prompts, exact_entropy: bool):
+    res = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=12))
+    for prompt, r in zip(prompts, res):
+        assert r.token_ids == hf_greedy(model, prompt, 12)[: len(r.token_ids)]
+        assert len(r.token_ids) == len(r.logprobs) == len(r.entropies)
+        logp, ent = teacher_forced(model, prompt, r.token_ids)
+        assert torch.allclose(torch.tensor(r.logprobs), logp, atol=1e-4)
+        if exact_entropy:
+            assert torch.allclose(torch.tensor(r.entropies), ent, atol=1e-4)
+        else:
+            assert r.entropy_is_estimate and all(e <= h + 1e-4 for e, h in zip(r.entropies, ent.tolist()))
+
+
+def check_stops(engine, prompts, tokenizer):
+    base = engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_new_tokens=10))[0]
+    assert base.finish_reason == "length" and len(base.token_ids) == 10
+    stop_tok = base.token_ids[3]
+    first = base.token_ids.index(stop_tok)
+    r = engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_new_tokens=10, stop_token_ids=[stop_tok]))[0]
+    assert r.token_ids == base.token_ids[: first + 1] and r.finish_reason == "stop" and r.stop_reason == stop_tok
+    # a stop string: the decoded text of the first 5 generated tokens' last token
+    text = tokenizer.decode(base.token_ids[4:5], skip_special_tokens=False)
+    r = engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_new_tokens=10, stop_strings=[text]))[0]
+    assert r.finish_reason == "stop" and len(r.token_ids) <= 5
+    assert tokenizer.decode(r.token_ids, skip_special_tokens=False).endswith(text)
+
+
+def check_submit(engine, prompts):
+    """Requests submitted one by one, a second wave while the first decodes (a trajectory's next turn
+    joining a running batch), give what one batched ``generate`` gives, in submission order."""
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    expected = engine.generate(prompts, greedy)
+    first = [engine.submit(p, greedy) for p in prompts[:3]]
+    second = [engine.submit(p, greedy) for p in prompts[3:]]
+    got = [f.result(timeout=120) for f in first + second]
+    # and ``generate`` from several threads at once (serving's callers), each getting its own results
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(3) as pool:
+        threaded = list(pool.map(lambda p: engine.generate([p], greedy)[0], prompts))
+    for e, g in zip(expected + expected, got + threaded):
+        assert g.token_ids == e.token_ids and len(g.token_ids) == 40
+        assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(e.logprobs), atol=1e-4)
+    assert engine.continuous_batching
+
+
+def check_load_weights(engine, model, prompts):
+    before = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8))
+    torch.manual_seed(1)
+    new_sd = {k: v + 0.5 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    model.load_state_dict(new_sd)
+    sent = model.state_dict()
+    if model.config.tie_word_embeddings:  # as the weight sync sends a tied model: without the aliased lm_head
+        sent.pop("lm_head.weight")
+    engine.load_weights(sent, version=7)
+    assert engine.version == 7
+    after = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8))
+    assert [r.token_ids for r in after] != [r.token_ids for r in before]
+    for prompt, r in zip(prompts, after):  # the engine now computes the updated model exactly
+        logp, _ = teacher_forced(model, prompt, r.token_ids)
+        assert torch.allclose(torch.tensor(r.logprobs), logp, atol=1e-4)
+
+
+def test_torch_engine_matches_hf(tiny_model_dir, tiny_tokenizer, prompts):
+    model = load_model(tiny_model_dir)
+    engine = TorchEngine(load_model(tiny_model_dir), tiny_tokenizer, max_batch_size=4)
+    check_engine_against_hf(engine, model, prompts, exact_entropy=True)
+    check_stops(engine, prompts, tiny_tokenizer)
+    check_load_weights(engine, load_model(tiny_model_dir), prompts)
+
+
+def test_torch_engine_sampling_is_seeded_and_valid(tiny_model_dir, tiny_tokenizer, prompts):
+    engine = TorchEngine(load_model(tiny_model_dir), tiny_tokenizer)
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=6, seed=3)
+    a = [r.token_ids for r in engine.generate(prompts, sp)]
+    b = [r.token_ids for r in engine.generate(prompts, sp)]
+    assert a == b
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        engine.generate([[]], sp)
+    with pytest.raises(KeyError, match="unknown parameter"):
+        engine.load_weights({"nope": torch.zeros(1)}, 1)
+    check_submit(engine, prompts)
+
+
+def test_torch_engine_continuous_batching_matches_solo_runs(tiny_model_dir, tiny_tokenizer, prompts):
+    """Two slots for eight requests of different lengths: requests are admitted as others finish, the cache
+    slots are compacted, duplicates share a prefill, and every result equals the request run alone."""
+    model = load_model(tiny_model_dir)
+    # a 64-position cache that must grow during generation, then slots move: both inside inference mode
+    engine = TorchEngine(load_model(tiny_model_dir), tiny_tokenizer, max_batch_size=2, kv_initial_capacity=64)
+    assert engine.continuous_batching
+    batch = prompts + prompts[:2]  # two duplicates
+    params = [SamplingParams(temperature=0.0, max_new_tokens=3 + 2 * i, ignore_eos=True) for i in range(len(batch))]
+    res = engine.generate(batch, params)
+    assert engine.admitted_mid_decode >= len(batch) - 2 and engine.decoder.capacity > 64
+    for prompt, sp, r in zip(batch, params, res):
+        assert r.token_ids == hf_greedy(model, prompt, sp.max_new_tokens)
+        logp, ent = teacher_forced(model, prompt, r.token_ids)
+        assert torch.allclose(torch.tensor(r.logprobs), logp, atol=1e-4)
+        assert torch.allclose(torch.tensor(r.entropies), ent, atol=1e-4)
+
+
+def test_torch_engine_admits_requests_of_another_thread_mid_decode(tiny_model_dir, tiny_tokenizer, prompts):
+    import threading
+
+    model = load_model(tiny_model_dir)
+    engine = TorchEngine(load_model(tiny_model_dir), tiny_tokenizer, max_batch_size=8)
+    long_sp = SamplingParams(temperature=0.0, max_new_tokens=300, ignore_eos=True)
+    short_sp = SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True)
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("long", engine.generate(prompts[:1], long_sp)))
+    t.start()
+    while engine.decode_steps < 5 and t.is_alive():  # wait until the long request is decoding
+        pass
+    out["short"] = engine.generate(prompts[1:3], short_sp)
+    t.join()
+    assert engine.admitted_mid_decode >= 2
+    assert out["long"][0].token_ids == hf_greedy(model, prompts[0], 300)
+    for prompt, r in zip(prompts[1:3], out["short"]):
+        assert r.token_ids == hf_greedy(model, prompt, 5)
+
+
+def test_torch_engine_failed_step_fails_its_requests_and_engine_recovers(
+    tiny_model_dir, tiny_tokenizer, prompts, monkeypatch
+):
+    engine = TorchEngine(load_model(tiny_model_dir), tiny_tokenizer, max_batch_size=2)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    good = engine.generate(prompts[:3], sp)
+    real_prefill, calls = engine.decoder.prefill, []
+
+    def flaky(first, chunk):
+        calls.append(first)
+        if len(calls) == 2:  # the second admission (mid-decode) fails
+            raise MemoryError("no room for the KV cache")
+        return real_prefill(first, chunk)
+
+    monkeypatch.setattr(engine.decoder, "prefill", flaky)
+    with pytest.raises(RuntimeError, match="generation failed: MemoryError: no room for the KV cache"):
+        engine.generate(prompts[:3], sp)
+    assert engine._live == [] and not engine._waiting  # nothing left holding a slot
+    assert [r.token_ids for r in engine.generate(prompts[:3], sp)] == [r.token_ids for r in good]
+
+
+def test_torch_engine_window_limits(tiny_model_dir, tiny_tokenizer, prompts):
+    engine = TorchEngine(load_model(tiny_model_dir), tiny_tokenizer)
+    window = engine.decoder.max_positions
+    with pytest.raises(ValueError, match=f"prompt 1 has {window} tokens; the model's window is {window}"):
+        engine.generate([prompts[0], [5] * window], SamplingParams(temperature=0.0))
+    r = engine.generate([[5] * (window - 3)], SamplingParams(temperature=0.0, max_new_tokens=50, ignore_eos=True))[0]
+    assert r.finish_reason == "length" and len(r.token_ids) == 4  # positions window-3 .. window-1, then full
+
+
+def test_torch_engine_generic_path_for_other_architectures(tiny_tokenizer, prompts):
+    """A model the slot decoder does not know (GPT-2 here) runs through the padded HF-cache path."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        vocab_size=len(tiny_tokenizer),
+        n_positions=256,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=tiny_tokenizer.bos_token_id,
+        eos_token_id=tiny_tokenizer.eos_token_id,
+    )
+    model = GPT2LMHeadModel(cfg).eval()
+    engine = TorchEngine(GPT2LMHeadModel(cfg).eval(), tiny_tokenizer, max_batch_size=4)
+    engine.model.load_state_dict(model.state_dict())
+    assert not engine.continuous_batching and "gpt2" in engine.fallback_reason
+    check_engine_against_hf(engine, model, prompts, exact_entropy=True)
+
+
+def test_sample_tokens_hand_computed():
+    """Row 0 greedy (temperature 0); row 1 top-p 0.5 keeps only its 0.98-probability token; row 2 samples
+    from two equal logits with the generator's stream (seeded: repeatable)."""
+    logits = torch.tensor([[0.0, 10.0, 0.0], [5.0, 0.0, 1.0], [3.0, 3.0, -50.0]])
+    temps, top_ps = torch.tensor([0.0, 1.0, 1.0]), torch.tensor([1.0, 0.5, 1.0])
+    draws = [sample_tokens(logits, temps, top_ps, torch.Generator().manual_seed(s)).tolist() for s in range(20)]
+    assert all(d[:2] == [1, 0] for d in draws)
+    assert {d[2] for d in draws} == {0, 1}
+    assert draws[3] == sample_tokens(logits, temps, top_ps, torch.Generator().manual_seed(3)).tolist()
+    greedy = sample_tokens(logits, torch.zeros(3), torch.ones(3), torch.Generator())
+    assert greedy.tolist() == [1, 0, 0]  # argmax; the tie in row 2 goes to the first index
+
+
+def test_sample_tokens_refuses_tensors_on_another_device():
+    """On a GPU the per-row temperatures and the generator must live with the logits (the bug a H100 found:
+    both were CPU-built). The meta device stands in for the GPU here."""
+    logits = torch.zeros((2, 3), device="meta")
+    temps, top_ps = torch.ones(2, device="meta"), torch.ones(2, device="meta")
+    with pytest.raises(ValueError, match="generator is on cpu, the logits on meta"):
+        sample_tokens(logits, temps, top_ps, torch.Generator())
+    with pytest.raises(ValueError, match="temps is on cpu, the logits on meta"):
+        sample_tokens(logits, torch.ones(2), top_ps, torch.Generator())
+
+
+def test_torch_engine_creates_every_tensor_on_the_model_device(tiny_model_dir, tiny_tokenizer, prompts):
+    """Device stand-in: the model sits on the CPU while torch's default device is ``meta``, so any tensor an
+    engine step makes without naming its device lands on meta and the step fails on mixing the two (what
+    happened on CUDA). Slot path and generic path, greedy, seeded and unseeded sampling."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tiny_tokenizer), n_positions=256, n_embd=32, n_layer=2, n_head=2))
+    engines = [
+        TorchEngine(load_model(tiny_model_dir), tiny_tokenizer, max_batch_size=2),
+        TorchEngine(gpt2.eval(), tiny_tokenizer),
+    ]
+    assert engines[0].continuous_batching and not engines[1].continuous_batching
+    params = [
+        SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=5, ignore_eos=True, seed=1),
+        SamplingParams(temperature=0.7, max_new_tokens=5, ignore_eos=True),
+    ]
+    for engine in engines:
+        assert engine.device == torch.device("cpu")
+        expected = [[r.token_ids for r in engine.generate(prompts, sp)] for sp in params[:2]]
+        with torch.device("meta"):
+            got = [[r.token_ids for r in engine.generate(prompts, sp)] for sp in params]
+        assert got[:2] == expected and all(len(t) == 5 for t in got[2])

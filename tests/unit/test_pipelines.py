@@ -1,0 +1,113 @@
+"""The scripted expert and the warm start's demonstrations (rapo_ray/pipelines)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rapo_ray.agent.loop import AgentLoop, LoopSettings
+from rapo_ray.agent.retriever import InMemoryStepRetriever, steps_of
+from rapo_ray.envs.suite import build_tools, task_difficulty, task_splits
+from rapo_ray.pipelines.expert import ScriptedExpertEngine
+from rapo_ray.retrieval.search_index import search_index_for
+from rapo_ray.types import protocol
+
+
+@pytest.fixture(scope="module")
+def tools(tiny_cfg):
+    ts = build_tools(tiny_cfg.tasks, tiny_cfg.rollout, search_index_for(tiny_cfg.tasks))
+    yield ts
+    ts.close()
+
+
+def settings(**kw):
+    s = LoopSettings(
+        temperature=0.0,
+        max_response_tokens=400,
+        max_step_tokens=64,
+        max_tool_calls=3,
+        seed=0,
+        system_prompt=protocol.SHORT_SYSTEM_PROMPT,
+    )
+    for k, v in kw.items():
+        setattr(s, k, v)
+    return s
+
+
+SCHEDULES = pytest.mark.parametrize("schedule", ["lockstep", "per_trajectory"])
+
+
+@SCHEDULES
+def test_expert_solves_every_family_through_real_tools(tiny_cfg, tiny_tokenizer, tools, schedule):
+    _, test = task_splits(tiny_cfg.tasks)
+    loop = AgentLoop(ScriptedExpertEngine(tiny_tokenizer), tiny_tokenizer, tools, settings(schedule=schedule))
+    for fam, tasks in test.items():
+        trajs, _ = loop.run_groups(tasks[:50], 1)
+        acc = sum(t.correct for t in trajs) / len(trajs)
+        assert acc >= 0.99, fam
+        assert all(t.format_ok and t.reward == 1.0 for t in trajs)
+        assert all(t.tool_calls >= 2 for t in trajs)  # multi-step: every problem needs 2-3 tool calls
+
+
+def test_expert_continues_from_a_retrieved_step_that_is_its_next_one():
+    q = "Ben has 756 pens. Ben buys 9 boxes of 51 pens. Ben finds 108 more pens. Ben finds 508 more pens. How many pens does Ben have now?"
+    expert = ScriptedExpertEngine(None)
+
+    def step(response):
+        return expert.next_step(f"{protocol.USER}{q}{protocol.ASSISTANT}{response}")
+
+    own = "<think>compute 756 + 9 * 51</think><python>print(756 + 9 * 51)</python><result>1215</result>"
+    fits = (
+        "<retrieve><think>compute 1215 + 108</think><python>print(1215 + 108)</python><result>1323</result></retrieve>"
+    )
+    other = "<retrieve><think>compute 99 + 108</think><python>print(99 + 108)</python><result>207</result></retrieve>"
+    last = (
+        "<retrieve><think>compute 1323 + 508</think><python>print(1323 + 508)</python><result>1831</result></retrieve>"
+    )
+    assert "print(1215 + 108)" in step(own) and "print(1215 + 108)" in step(
+        own + other
+    )  # another question's step: ignored
+    assert "print(1323 + 508)" in step(own + fits)  # its own next step, retrieved: built upon
+    assert step(own + fits + last).endswith("<answer>\\boxed{1831}</answer>")
+    assert "print(756 + 9 * 51)" in step(fits)  # a later step before the first one does not fit
+    mq = "Who is the sibling of the rival of the neighbor of Jopado?"
+    m1 = "<think>x</think><search>neighbor of Jopado</search><result>The neighbor of Jopado is Vesire.</result>"
+    mr = "<retrieve><think>x</think><search>rival of Vesire</search><result>The rival of Vesire is Kalo.</result></retrieve>"
+    assert expert.next_step(f"{protocol.USER}{mq}{protocol.ASSISTANT}{m1}{mr}").endswith(
+        "<search>sibling of Kalo</search>"
+    )
+
+
+def test_warm_start_hybrid_demos_with_own_question_steps(tiny_cfg, tiny_tokenizer, tools):
+    """sft_retrieval_scope=own: hybrid demos splice in the question's own expert steps and the expert builds on
+    them, so those demos still solve the problem with fewer tool calls of its own."""
+    from rapo_ray.pipelines.sft import expert_trajectories
+
+    _, test = task_splits(tiny_cfg.tasks)
+    tasks_ = test["arith"][:6] + test["multihop"][:6]
+    steps = [
+        st for tr in expert_trajectories(tiny_cfg, tiny_tokenizer, tools, tasks_) for st in steps_of(tiny_tokenizer, tr)
+    ]
+    demos = expert_trajectories(
+        tiny_cfg,
+        tiny_tokenizer,
+        tools,
+        tasks_,
+        hybrid_fraction=1.0,
+        retriever=InMemoryStepRetriever(steps, question_scope="own"),
+        seed=1,
+    )
+    with_blocks = [d for d in demos if d.num_retrievals]
+    assert all(d.correct for d in demos) and len(with_blocks) >= 4
+    assert all(r.source_id == d.problem_id for d in with_blocks for r in d.retrievals)
+    plan_steps = {t.id: task_difficulty(t) for t in tasks_}
+    # a retrieved step that was the expert's next one is not redone (a retrieved repeat of a done step is ignored)
+    assert all(d.tool_calls + d.num_retrievals >= plan_steps[d.problem_id] for d in with_blocks)
+    assert sum(d.tool_calls < plan_steps[d.problem_id] for d in with_blocks) >= 3
+
+
+def test_expert_with_errors_varies_rewards(tiny_cfg, tiny_tokenizer, tools):
+    _, test = task_splits(tiny_cfg.tasks)
+    loop = AgentLoop(ScriptedExpertEngine(tiny_tokenizer, error_rate=0.3, seed=1), tiny_tokenizer, tools, settings())
+    trajs, _ = loop.run_groups(test["multihop"][:20], 4)
+    acc = sum(t.correct for t in trajs) / len(trajs)
+    assert 0.05 < acc < 0.95
