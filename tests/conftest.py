@@ -107,3 +107,39 @@ def serve_url(ray_session):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="session")
+def tools(tiny_cfg):
+    """The tiny config's tool set (python sandbox + search over the bundled corpus), closed at the end."""
+    from rapo_ray.envs.suite import build_tools
+    from rapo_ray.retrieval.search_index import search_index_for
+
+    ts = build_tools(tiny_cfg.tasks, tiny_cfg.rollout, search_index_for(tiny_cfg.tasks))
+    yield ts
+    ts.close()
+
+
+@pytest.fixture(scope="session")
+def fleet_cfg(tiny_model_dir, tmp_path_factory):
+    """A small fleet on the torch engine over the tiny model: two workers, room for a third."""
+    return tiny_config(
+        tmp_path_factory.mktemp("fleet"),
+        f"model.path={tiny_model_dir}",
+        "rollout.engine=torch",
+        "rollout.num_workers=2",
+        "rollout.max_workers=3",
+        "rollout.max_response_tokens=48",
+        "rollout.max_step_tokens=16",
+        "resources.cpus_per_rollout_worker=0.5",
+    )
+
+
+@pytest.fixture(scope="session")
+def prompts(tiny_tokenizer):
+    """Six bundled test questions (3 arith, 3 multihop) as prompt token ids."""
+    from rapo_ray.envs import tasks
+    from rapo_ray.types import protocol
+
+    probs = tasks.generate("arith", "test", 3, 0) + tasks.generate("multihop", "test", 3, 0)
+    return [tiny_tokenizer(protocol.render_prompt(p.question), add_special_tokens=False)["input_ids"] for p in probs]

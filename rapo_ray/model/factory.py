@@ -127,6 +127,16 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu"):
     return model.to(device).eval()
 
 
+def pad_token_id(path: str | Path) -> int:
+    """The id the learner pads rows with: the model config's ``pad_token_id``, else 0 (padding is never attended)."""
+    from transformers import AutoConfig
+
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise ModelLoadError(f"model folder {p} has no config.json")
+    return AutoConfig.from_pretrained(str(p)).pad_token_id or 0
+
+
 def model_from_state_dict(path: str | Path, state_dict: dict, dtype: str = "float32"):
     """The HF model of folder ``path``'s architecture holding ``state_dict`` (cast to ``dtype``), built on the meta
     device and given the tensors: no copy of the folder's own weights is loaded (at the 0.5B shape, 2 GB less at

@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import ray
-import torch
 
 from rapo_ray.algos.entropy import step_entropies
 from rapo_ray.algos.registry import Algorithm
@@ -20,10 +19,13 @@ from rapo_ray.types.batch import TrajectoryBatch
 
 
 def compute_advantages(batch: TrajectoryBatch, algorithm: Algorithm, algo_cfg, on: str = "driver") -> None:
-    """Fill ``batch.step_entropies`` [B][S_i] (from ``batch.entropies``), ``advantage``, ``retrieval_reward`` and
-    ``shaping`` [B] with ``algorithm``'s estimator, run in the driver or (``on="ray_data"``) in Ray Data."""
-    batch.require("entropies")
-    batch.step_entropies = [step_entropies(torch.tensor(ent), t.segments) for t, ent in zip(batch, batch.entropies)]
+    """Fill ``batch.step_entropies`` [B][S_i] (from the old-policy pass's ``batch.learner.entropies``),
+    ``advantage``, ``retrieval_reward`` and ``shaping`` [B] with ``algorithm``'s estimator, run in the driver or
+    (``on="ray_data"``) in Ray Data."""
+    batch.require("learner")
+    lb = batch.learner
+    lb.require("entropies")
+    batch.step_entropies = [step_entropies(lb.response_values("entropies", i), t.segments) for i, t in enumerate(batch)]
     columns = batch.advantage_inputs()
     out = (
         advantages_with_ray_data(columns, algorithm, algo_cfg)

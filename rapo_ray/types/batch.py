@@ -1,22 +1,23 @@
 """``TrajectoryBatch``: the one object a step's data lives in, from the rollout fleet to the loss.
 
-The rollout fleet fills ``trajectories``; every later stage adds its own fields to the same object and
-never converts it to another form. Plain rows exist only at the two boundaries: the parquet writer
-(``to_rows``) and Ray Data (``learner_table`` / ``from_learner_table``).
+The rollout fleet fills ``trajectories``; every later stage adds its own fields to the same object. The learner's
+per-token data is one ``LearnerBatch`` of padded tensors (rapo_ray/types/learner_batch.py), built once by the
+old-policy pass: per-token values never become Python lists again. Plain rows exist only at the parquet writer
+(``to_rows``).
 
-Shapes (B trajectories; ``L_i = len(trajectories[i].response_ids)``; ``S_i`` = generated steps of i):
+Shapes (B trajectories; T = the longest prompt + response; ``S_i`` = generated steps of i):
 
-    stage                         field              shape       filled by
-    rollout                       trajectories       [B]         RolloutFleet.run_step
-    old-policy pass               old_logprobs       [B][L_i]    LearnerGroup.forward_old
-                                  entropies          [B][L_i]    LearnerGroup.forward_old
-    advantage estimation          step_entropies     [B][S_i]    data_flow.compute_advantages
-                                  advantage          [B]         data_flow.compute_advantages
-                                  retrieval_reward   [B]         data_flow.compute_advantages
-                                  shaping            [B]         data_flow.compute_advantages
+    stage                         field              shape               filled by
+    rollout                       trajectories       [B]                 RolloutFleet.run_step
+    old-policy pass               learner            LearnerBatch        LearnerGroup.forward_old
+                                    .old_logprobs    [B, T-1] tensor
+                                    .entropies       [B, T-1] tensor
+    advantage estimation          step_entropies     [B][S_i]            data_flow.compute_advantages
+                                  advantage          [B]                 data_flow.compute_advantages
+                                  retrieval_reward   [B]                 data_flow.compute_advantages
+                                  shaping            [B]                 data_flow.compute_advantages
 
-Per-token fields are aligned with ``response_ids`` (0 where ``loss_mask`` is 0 is not guaranteed: only
-masked-in positions are used by the loss). A field is ``None`` until its stage has run.
+A field is ``None`` until its stage has run.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from rapo_ray.types.learner_batch import LearnerBatch
 from rapo_ray.types.trajectory import Trajectory
 
-STAGE_FIELDS = ("old_logprobs", "entropies", "step_entropies", "advantage", "retrieval_reward", "shaping")
+# Per-row fields that stages fill (``learner`` is sliced with them: its ``select``).
+STAGE_FIELDS = ("step_entropies", "advantage", "retrieval_reward", "shaping")
 
 # Columns of a step's parquet file (``trajectories/step-NNNNNN.parquet``), in order.
 PARQUET_COLUMNS = (
@@ -84,8 +87,7 @@ def length_sorted_groups(lengths: Sequence[int], max_rows: int, pad_slack: float
 @dataclass
 class TrajectoryBatch:
     trajectories: list[Trajectory] = field(default_factory=list)
-    old_logprobs: list[list[float]] | None = None
-    entropies: list[list[float]] | None = None
+    learner: LearnerBatch | None = None
     step_entropies: list[list[float]] | None = None
     advantage: list[float] | None = None
     retrieval_reward: list[float] | None = None
@@ -102,6 +104,8 @@ class TrajectoryBatch:
     def select(self, indices: Sequence[int]) -> "TrajectoryBatch":
         """A new batch of the rows ``indices`` (every filled field sliced alike)."""
         out = TrajectoryBatch([self.trajectories[i] for i in indices])
+        if self.learner is not None:
+            out.learner = self.learner.select(indices)
         for name in STAGE_FIELDS:
             col = getattr(self, name)
             if col is not None:
@@ -110,7 +114,12 @@ class TrajectoryBatch:
 
     @classmethod
     def concat(cls, batches: Sequence["TrajectoryBatch"]) -> "TrajectoryBatch":
-        """Rows of ``batches`` in order; a stage field is kept only when every part has it."""
+        """Rows of ``batches`` in order; a stage field is kept only when every part has it (the fleet joins its groups
+        before any learner data exists)."""
+        if any(b.learner is not None for b in batches):
+            raise ValueError(
+                "TrajectoryBatch.concat: join batches before the old-policy pass builds their learner data"
+            )
         out = cls([t for b in batches for t in b.trajectories])
         for name in STAGE_FIELDS:
             cols = [getattr(b, name) for b in batches]
@@ -126,28 +135,6 @@ class TrajectoryBatch:
                 f"TrajectoryBatch: {missing} not filled yet (stages run in the order of rapo_ray/types/batch.py)"
             )
 
-    def padding_like(self, n: int) -> "TrajectoryBatch":
-        """``n`` rows that weigh nothing in the loss (all-zero mask, advantage 0): keeps learner ranks in step,
-        since FSDP's collectives need every rank in every forward/backward."""
-        t = self.trajectories[0]
-        pad = Trajectory(
-            group_id="",
-            slot=-1,
-            slot_kind="padding",
-            problem_id="",
-            task_kind=t.task_kind,
-            answers=(),
-            prompt_ids=list(t.prompt_ids),
-            response_ids=list(t.response_ids),
-            loss_mask=[0] * len(t.loss_mask),
-        )
-        out = TrajectoryBatch([pad] * n)
-        if self.old_logprobs is not None:
-            out.old_logprobs = [[0.0] * len(t.response_ids)] * n
-        if self.advantage is not None:
-            out.advantage, out.shaping = [0.0] * n, [1.0] * n
-        return out
-
     # ------------------------------------------------------------ views used by several stages
 
     def group_ids(self) -> list[str]:
@@ -157,7 +144,7 @@ class TrajectoryBatch:
         return [float(t.reward) for t in self.trajectories]
 
     def advantage_inputs(self) -> dict:
-        """Plain columns for the advantage estimators (``rapo_ray.algos.advantage_estimators.ADVANTAGE_INPUTS``);
+        """Plain columns for the advantage estimators (``rapo_ray.algos.group.ADVANTAGE_INPUTS``);
         plain lists so the same columns can be an Arrow table in Ray Data."""
         self.require("step_entropies")
         return {
@@ -173,7 +160,7 @@ class TrajectoryBatch:
             "num_response_tokens": [len(t.response_ids) for t in self.trajectories],
         }
 
-    # ------------------------------------------------------------ boundaries: parquet and Ray Data
+    # ------------------------------------------------------------ the boundary: parquet
 
     def to_rows(self) -> list[dict]:
         """One flat dict per trajectory with ``PARQUET_COLUMNS`` (stage fields None when not filled)."""
@@ -185,43 +172,3 @@ class TrajectoryBatch:
                 row[name] = col[i] if col is not None else None
             rows.append({k: row.get(k) for k in PARQUET_COLUMNS})
         return rows
-
-    def learner_table(self, extra: dict | None = None):
-        """The columns the loss needs as an Arrow table (the Ray Data ``streaming_split`` feed); ``extra``: more
-        columns of the same length (e.g. each row's mini-batch index)."""
-        import pyarrow as pa
-
-        self.require("old_logprobs", "advantage", "shaping")
-        cols = {
-            "prompt_ids": [t.prompt_ids for t in self.trajectories],
-            "response_ids": [t.response_ids for t in self.trajectories],
-            "loss_mask": [t.loss_mask for t in self.trajectories],
-            "old_logprobs": self.old_logprobs,
-            "advantage": [float(a) for a in self.advantage],
-            "shaping": [float(s) for s in self.shaping],
-        }
-        return pa.table(cols | dict(extra or {}))
-
-    @classmethod
-    def from_learner_table(cls, records: Sequence[dict]) -> "TrajectoryBatch":
-        """Inverse of ``learner_table`` for rows read back from Ray Data (only the loss's fields survive)."""
-        trajs = [
-            Trajectory(
-                group_id="",
-                slot=0,
-                slot_kind="",
-                problem_id="",
-                task_kind="",
-                answers=(),
-                prompt_ids=list(r["prompt_ids"]),
-                response_ids=list(r["response_ids"]),
-                loss_mask=list(r["loss_mask"]),
-            )
-            for r in records
-        ]
-        return cls(
-            trajs,
-            old_logprobs=[list(r["old_logprobs"]) for r in records],
-            advantage=[float(r["advantage"]) for r in records],
-            shaping=[float(r["shaping"]) for r in records],
-        )

@@ -1,9 +1,9 @@
 """The learner group: ``LearnerWorker`` actors (one per rank) in one torch.distributed group (gloo on CPU, NCCL
 on GPU), the model sharded with FSDP2 ``fully_shard``; ``LearnerGroup`` is how the trainer talks to them.
 
-Each step the group sends every rank the same number of micro-batches of the step's ``TrajectoryBatch``
-(padding rows with an all-zero mask keep ranks in lockstep, since FSDP's collectives need every rank in
-every forward/backward):
+Each step the group builds the step's ``LearnerBatch`` (padded tensors, rapo_ray/types/learner_batch.py) once and
+sends every rank the same number of micro-batches of it, as tensors (padding rows with an all-zero mask keep ranks
+in lockstep, since FSDP's collectives need every rank in every forward/backward):
 1. ``forward_old``: log-probs and full-vocabulary entropies of the response tokens under pi_old (RAPO's
    step entropies come from here, spec ambiguity 1a);
 2. ``update``: PPO mini-batches with the clipped RAPO/GRPO loss, gradient clipping, lr schedule; with
@@ -21,6 +21,7 @@ import random
 import time
 from typing import Sequence
 
+import numpy as np
 import ray
 import torch
 
@@ -31,9 +32,16 @@ from rapo_ray.core.devices import mixed_precision_policy, pick_device, set_deter
 from rapo_ray.core.errors import LearnerLost
 from rapo_ray.core.metrics import actor_stats, merge_actor_stats
 from rapo_ray.core.net import free_port
-from rapo_ray.model.factory import load_model, load_tokenizer, model_from_state_dict, save_model, set_torch_threads
+from rapo_ray.model.factory import (
+    load_model,
+    load_tokenizer,
+    model_from_state_dict,
+    pad_token_id,
+    save_model,
+    set_torch_threads,
+)
 from rapo_ray.types.batch import TrajectoryBatch, length_sorted_groups
-from rapo_ray.types.trajectory import Trajectory
+from rapo_ray.types.learner_batch import LearnerBatch, from_numpy
 from rapo_ray.workers.sync import SyncMember, send_state, shard_rows
 
 # How the learner group combines one statistic across ranks (rapo_ray.core.metrics.merge_actor_stats): per-rank
@@ -49,45 +57,6 @@ RANK_REDUCE = {
     "loss_sum": "sum",
     "rows": "sum",
 }
-
-
-def _collate(batch: TrajectoryBatch, pad_id: int):
-    """Right-padded [B, L] inputs (prompt + response) and [B, L-1] target-aligned response/loss masks and old
-    log-probs (L = the longest prompt + response)."""
-    trajs = batch.trajectories
-    L = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
-    B = len(trajs)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, L), dtype=torch.long)
-    resp = torch.zeros((B, L - 1), dtype=torch.float32)  # 1 where the target is a response token
-    mask = torch.zeros((B, L - 1), dtype=torch.float32)
-    old = torch.zeros((B, L - 1), dtype=torch.float32)
-    for i, t in enumerate(trajs):
-        n = len(t.prompt_ids) + len(t.response_ids)
-        ids[i, :n] = torch.tensor(list(t.prompt_ids) + list(t.response_ids))
-        attn[i, :n] = 1
-        s, e = len(t.prompt_ids) - 1, n - 1
-        resp[i, s:e] = 1
-        mask[i, s:e] = torch.tensor(t.loss_mask, dtype=torch.float32)
-        if batch.old_logprobs is not None:
-            old[i, s:e] = torch.tensor(batch.old_logprobs[i], dtype=torch.float32)
-    return ids, attn, resp, mask, old
-
-
-def _filler(pad_id: int) -> TrajectoryBatch:
-    """A one-row micro-batch that weighs nothing in the loss (all-zero mask, advantage 0)."""
-    t = Trajectory(
-        group_id="",
-        slot=-1,
-        slot_kind="padding",
-        problem_id="",
-        task_kind="",
-        answers=(),
-        prompt_ids=[pad_id],
-        response_ids=[pad_id],
-        loss_mask=[0],
-    )
-    return TrajectoryBatch([t], old_logprobs=[[0.0]], advantage=[0.0], shaping=[1.0])
 
 
 class LearnerWorker(SyncMember):
@@ -172,18 +141,18 @@ class LearnerWorker(SyncMember):
         return target - torch.logsumexp(logits, -1)
 
     @torch.no_grad()
-    def forward_old(self, micro_batches: list[TrajectoryBatch]) -> list[tuple[list[float], list[float]]]:
-        """Per row of every micro-batch, in order: (log-probs, entropies) of its response tokens under the
-        current (= old) policy, each [L_i]."""
+    def forward_old(self, micro_batches: list[LearnerBatch]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per micro-batch: (log-probs, entropies) of its response targets under the current (= old) policy, each
+        [b, T-1] float32 like the micro-batch's masks, 0 outside response positions (numpy: one buffer each on the
+        way back)."""
         out = []
         for mb in micro_batches:
-            ids, attn, _, _, _ = _collate(mb, self.pad_id)
-            logits = self._logits(ids, attn)
-            logp = self._target_logprobs(logits, ids).cpu()
-            ent = token_entropy_from_logits(logits).cpu()
-            for i, t in enumerate(mb.trajectories):
-                s, e = len(t.prompt_ids) - 1, len(t.prompt_ids) + len(t.response_ids) - 1
-                out.append((logp[i, s:e].tolist(), ent[i, s:e].tolist()))
+            ids = mb.long_ids()
+            logits = self._logits(ids, mb.attention_mask)
+            resp = mb.response_mask.to(self.device) > 0
+            logp = torch.where(resp, self._target_logprobs(logits, ids), 0.0)
+            ent = torch.where(resp, token_entropy_from_logits(logits), 0.0)
+            out.append((logp.cpu().numpy(), ent.cpu().numpy()))
         return out
 
     def update_from_stream(self, split, denominators: list[float], micro: int) -> dict:
@@ -194,57 +163,49 @@ class LearnerWorker(SyncMember):
         ranks dynamically, so the ranks agree on each mini-batch's micro-batch count with one all-reduce
         (max) and pad with all-masked rows: FSDP's collectives need every rank in every forward/backward.
         """
+        import pyarrow as pa
         import torch.distributed as dist
 
-        records: list[list[dict]] = [[] for _ in denominators]
-        for block in split.iter_batches(batch_size=None, batch_format="pyarrow"):
-            for rec in block.to_pylist():
-                records[rec["mb"]].append(rec)
-        mine = [TrajectoryBatch.from_learner_table(r) if r else None for r in records]
-        counts = torch.tensor([math.ceil(len(r) / micro) for r in records], dtype=torch.long, device=self.device)
+        blocks = list(split.iter_batches(batch_size=None, batch_format="pyarrow"))
+        mine = LearnerBatch.from_arrow(pa.concat_tables(blocks)) if blocks else None
+        mb_of = pa.concat_tables(blocks).column("mb").to_numpy() if blocks else []
+        rows = [[i for i, k in enumerate(mb_of) if k == m] for m in range(len(denominators))]
+        counts = torch.tensor([math.ceil(len(r) / micro) for r in rows], dtype=torch.long, device=self.device)
         if self.world > 1:
             dist.all_reduce(counts, op=dist.ReduceOp.MAX)
         minis = []
         for k, denominator in enumerate(denominators):
-            mbs = []
-            for i in range(int(counts[k])):
-                part = (
-                    mine[k].select(range(i * micro, min((i + 1) * micro, len(mine[k]))))
-                    if mine[k] is not None
-                    else None
-                )
-                mbs.append(part if part is not None and len(part) else _filler(self.pad_id))
+            parts = [rows[k][i * micro : (i + 1) * micro] for i in range(int(counts[k]))]
+            mbs = [mine.select(part) if part else LearnerBatch.padding(1, self.pad_id) for part in parts]
             minis.append((mbs, denominator))
         out = self._update(minis)
-        out["rows"] = sum(len(r) for r in records)
+        out["rows"] = len(mb_of)
         return actor_stats(out, RANK_REDUCE)
 
-    def update(self, mini_batches: list[tuple[list[TrajectoryBatch], float]]) -> dict:
+    def update(self, mini_batches: list[tuple[list[LearnerBatch], float]]) -> dict:
         """``mini_batches``: per PPO mini-batch, this rank's micro-batches and the global denominator. Returns
         this rank's statistics as RLlib stats (``merge_actor_stats`` combines the ranks by ``RANK_REDUCE``)."""
         return actor_stats(self._update(mini_batches), RANK_REDUCE)
 
-    def _update(self, mini_batches: list[tuple[list[TrajectoryBatch], float]]) -> dict[str, float]:
+    def _update(self, mini_batches: list[tuple[list[LearnerBatch], float]]) -> dict[str, float]:
         stats: dict[str, float] = {}
         n = 0
         for micro_batches, denominator in mini_batches:
             self.opt.zero_grad(set_to_none=True)
             for mb in micro_batches:
-                ids, attn, _, mask, old = _collate(mb, self.pad_id)
+                ids, attn = mb.long_ids(), mb.attention_mask
                 ref_logp = None
                 if self.ref_model is not None:  # the KL penalty's reference log-probs (no gradient)
                     with torch.no_grad():
                         ref_logp = self._target_logprobs(self._logits(ids, attn, self.ref_model), ids)
                 logp = self._target_logprobs(self._logits(ids, attn), ids)
-                adv = torch.tensor(mb.advantage, dtype=torch.float32, device=self.device)
-                shaping = torch.tensor(mb.shaping, dtype=torch.float32, device=self.device)
                 loss, m = policy_loss(
                     logp,
-                    old.to(self.device),
-                    adv,
-                    mask.to(self.device),
+                    mb.old_logprobs.to(self.device),
+                    mb.advantage.to(self.device),
+                    mb.loss_mask.to(self.device, torch.float32),
                     self.loss_cfg,
-                    shaping=shaping,
+                    shaping=mb.shaping.to(self.device),
                     ref_logp=ref_logp,
                     denominator=denominator,
                 )
@@ -411,14 +372,13 @@ def micro_batch_rows(lengths: Sequence[int], world: int, micro: int, length_sort
 
 
 def split_for_ranks(
-    batch: TrajectoryBatch, world: int, micro: int, length_sorted: bool = False
-) -> tuple[list[list[TrajectoryBatch]], list[list[list[int]]]]:
+    batch: LearnerBatch, world: int, micro: int, pad_id: int, length_sorted: bool = False
+) -> tuple[list[list[LearnerBatch]], list[list[list[int]]]]:
     """``batch`` -> ([rank][micro-batch] batches, their row indices as ``micro_batch_rows`` gives them); an empty
     micro-batch is a one-row padding batch that weighs nothing in the loss."""
-    rows = micro_batch_rows(
-        [len(t.prompt_ids) + len(t.response_ids) for t in batch.trajectories], world, micro, length_sorted
-    )
-    return [[batch.select(mb) if mb else batch.padding_like(1) for mb in mbs] for mbs in rows], rows
+    rows = micro_batch_rows(batch.length.tolist(), world, micro, length_sorted)
+    pad = LearnerBatch.padding(1, pad_id, like=batch)
+    return [[batch.select(mb) if mb else pad for mb in mbs] for mbs in rows], rows
 
 
 class LearnerGroup:
@@ -432,6 +392,7 @@ class LearnerGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.cfg = cfg
+        self.pad_id = pad_token_id(model_dir)
         lc, rc = cfg.learner, cfg.resources
         bundle = {"CPU": rc.cpus_per_learner} | ({"GPU": rc.gpus_per_learner} if rc.gpus_per_learner else {})
         bundle |= dict(rc.learner_custom_resources)
@@ -462,18 +423,21 @@ class LearnerGroup:
         return len(self.workers)
 
     def forward_old(self, batch: TrajectoryBatch) -> None:
-        """Fill ``batch.old_logprobs`` and ``batch.entropies`` ([B][L_i]) under the current policy."""
+        """Build ``batch.learner`` from its trajectories and fill its ``old_logprobs`` and ``entropies`` ([B, T-1])
+        under the current policy."""
         world, lc = self.world_size, self.cfg.learner
         micro = lc.micro_rows(lc.mini_batch_size // world)
-        per_rank, rows = split_for_ranks(batch, world, micro, lc.length_sorted_micro_batches)
+        lb = LearnerBatch.from_trajectories(batch.trajectories, self.pad_id)
+        per_rank, rows = split_for_ranks(lb, world, micro, self.pad_id, lc.length_sorted_micro_batches)
         results = _gather([w.forward_old.remote(mbs) for w, mbs in zip(self.workers, per_rank)])
-        logp: list = [None] * len(batch)
-        ent: list = [None] * len(batch)
+        logp = torch.zeros_like(lb.response_mask)
+        ent = torch.zeros_like(lb.response_mask)
         for res, rank_rows in zip(results, rows):
-            # a rank's results follow its micro-batches' rows; a padding micro-batch's one row has no index
-            for i, (lp, en) in zip([i for mb in rank_rows for i in mb], res):
-                logp[i], ent[i] = lp, en
-        batch.old_logprobs, batch.entropies = logp, ent
+            for idx, (lp, en) in zip(rank_rows, res):  # a padding micro-batch (no rows) is skipped
+                if idx:
+                    logp[idx, : lp.shape[1]], ent[idx, : en.shape[1]] = from_numpy(lp), from_numpy(en)
+        lb.old_logprobs, lb.entropies = logp, ent
+        batch.learner = lb
 
     def update(self, batch: TrajectoryBatch, step: int) -> dict:
         """PPO epochs over ``batch`` (old log-probs and advantages filled); returns the update's statistics.
@@ -482,22 +446,28 @@ class LearnerGroup:
         ``learner.mini_batch_size``; each mini-batch's global loss denominator is fixed before any rank
         computes a loss, and each rank gets its share of it in micro-batches of ``learner.micro_batch_size`` rows
         (its whole share by default)."""
-        batch.require("old_logprobs", "advantage", "shaping")
+        batch.require("learner", "advantage", "shaping")
+        lb = batch.learner.with_advantages(batch.advantage, batch.shaping)
+        lb.require("old_logprobs")
         lc, world = self.cfg.learner, self.world_size
         agg = self.cfg.algo.loss_agg_mode
         out: dict[str, float] = {}
         for epoch in range(lc.ppo_epochs):
-            order = list(range(len(batch)))
+            order = list(range(len(lb)))
             random.Random(self.cfg.trainer.seed * 31 + step * 7 + epoch).shuffle(order)
-            minis = [batch.select(order[i : i + lc.mini_batch_size]) for i in range(0, len(order), lc.mini_batch_size)]
-            denoms = [aggregation_denominator(_loss_mask(mini), agg) for mini in minis]
+            minis = [lb.select(order[i : i + lc.mini_batch_size]) for i in range(0, len(order), lc.mini_batch_size)]
+            denoms = [aggregation_denominator(mini.loss_mask.float(), agg) for mini in minis]
             if self.cfg.trainer.learner_feed == "streaming_split":
                 stats = self._update_streaming(minis, denoms)
             else:
                 per_rank: list[list] = [[] for _ in range(world)]
                 for mini, denom in zip(minis, denoms):
                     split, _ = split_for_ranks(
-                        mini, world, lc.micro_rows(math.ceil(len(mini) / world)), lc.length_sorted_micro_batches
+                        mini,
+                        world,
+                        lc.micro_rows(math.ceil(len(mini) / world)),
+                        self.pad_id,
+                        lc.length_sorted_micro_batches,
                     )
                     for rank in range(world):
                         per_rank[rank].append((split[rank], denom))
@@ -506,15 +476,15 @@ class LearnerGroup:
             out.pop("rows", None)  # streaming_split's delivery count, checked in _update_streaming
         return out
 
-    def _update_streaming(self, minis: list[TrajectoryBatch], denoms: list[float]) -> list[dict]:
-        """One epoch's mini-batches as a Ray Data dataset (one block per micro-batch's worth of rows), read by
-        the ranks through ``streaming_split``; each row carries its mini-batch index."""
+    def _update_streaming(self, minis: list[LearnerBatch], denoms: list[float]) -> list[dict]:
+        """One epoch's mini-batches as a Ray Data dataset (one block per micro-batch's worth of rows, all of the
+        epoch's width), read by the ranks through ``streaming_split``; each row carries its mini-batch index."""
         world = self.world_size
         micro = self.cfg.learner.micro_rows(math.ceil(self.cfg.learner.mini_batch_size / world))
-        flat = TrajectoryBatch.concat(minis)
+        flat = LearnerBatch.concat(minis, self.pad_id)
         mb_index = [k for k, mini in enumerate(minis) for _ in range(len(mini))]
         blocks = [
-            flat.select(range(i, min(i + micro, len(flat)))).learner_table({"mb": mb_index[i : i + micro]})
+            flat.select(range(i, min(i + micro, len(flat))), trim=False).to_arrow({"mb": mb_index[i : i + micro]})
             for i in range(0, len(flat), micro)
         ]
         splits = ray.data.from_arrow(blocks).streaming_split(world, equal=False)  # equal=True would drop rows
@@ -552,11 +522,3 @@ class LearnerGroup:
                     pass
             ray.kill(w)
         remove_placement_group(self.pg)
-
-
-def _loss_mask(batch: TrajectoryBatch) -> torch.Tensor:
-    """[B, max L_i] response loss mask, zero-padded."""
-    mask = torch.zeros(len(batch), max(len(t.loss_mask) for t in batch))
-    for i, t in enumerate(batch):
-        mask[i, : len(t.loss_mask)] = torch.tensor(t.loss_mask, dtype=torch.float32)
-    return mask

@@ -11,18 +11,7 @@ from pathlib import Path
 import pytest
 
 from rapo_ray.config import Config, save_config
-from rapo_ray.training.checkpoints import write_manifest
-
-
-def _checkpoint(root, step: int):
-    path = root / f"step-{step:06d}"
-    path.mkdir(parents=True)
-    (path / "model.safetensors").write_bytes(bytes(range(256)) * 40)
-    (path / "optimizer.pt").write_bytes(b"o" * 5000)
-    (path / "trainer_state.json").write_text('{"step": %d}' % step)
-    write_manifest(path)
-    (path / "COMPLETE").write_text("ok\n")
-    return path
+from tests.helpers import write_checkpoint
 
 
 def _run_folder(tmp_path, cfg: Config):
@@ -42,7 +31,7 @@ def test_a_bad_resume_fails_in_one_line_before_any_process_starts(tmp_path, caps
 
     args = [f"run.output_dir={tmp_path / 'runs'}", f"run.artifacts_dir={tmp_path / 'art'}"]
     run = _run_folder(tmp_path, Config())
-    broken = _checkpoint(run / "checkpoints", 3)
+    broken = write_checkpoint(run / "checkpoints", 3)
     (broken / "optimizer.pt").write_bytes(b"")
     before = sorted(p.name for p in run.rglob("*"))
     cases = [

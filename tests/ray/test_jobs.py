@@ -11,19 +11,9 @@ from pathlib import Path
 import pytest
 
 from rapo_ray.config import TINY_OVERRIDES
+from tests.helpers import compare_module
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _compare_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "compare_algorithms", Path(__file__).resolve().parents[2] / "benchmarks" / "compare_algorithms.py"
-    )
-    compare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compare)
-    return compare
 
 
 def test_evaluate_checkpoint_on_bundled_and_a_data_file(ray_session, tiny_cfg, tiny_model_dir, tmp_path):
@@ -104,7 +94,7 @@ def test_a_killed_driver_takes_its_local_ray_with_it(tmp_path):
 def test_compare_pairs_each_held_out_problem_with_itself_under_the_same_seed():
     """benchmarks/compare_algorithms.py's method-vs-method sign test, by hand: seeds 0 and 1 ran both methods
     (seed 2 only one, so it is left out); rapo solved 2 alias problems grpo did not and none the other way."""
-    compare = _compare_module()
+    compare = compare_module()
     results = [
         {"method": "grpo", "seed": 0, "after_problems": {"alias-a": False, "alias-b": True, "multihop-a": True}},
         {"method": "rapo", "seed": 0, "after_problems": {"alias-a": True, "alias-b": True, "multihop-a": False}},

@@ -15,20 +15,6 @@ from tests.conftest import tiny_config
 
 
 @pytest.fixture(scope="module")
-def fleet_cfg(tiny_model_dir, tmp_path_factory):
-    return tiny_config(
-        tmp_path_factory.mktemp("fleet"),
-        f"model.path={tiny_model_dir}",
-        "rollout.engine=torch",
-        "rollout.num_workers=2",
-        "rollout.max_workers=3",
-        "rollout.max_response_tokens=48",
-        "rollout.max_step_tokens=16",
-        "resources.cpus_per_rollout_worker=0.5",
-    )
-
-
-@pytest.fixture(scope="module")
 def warm_cfg(tiny_warm_artifacts):
     """A tiny warm-started policy: after a short warm start its outputs are partly format-valid, so
     rewards (-1 / 0 / 1) differ inside groups and updates are non-trivial."""

@@ -7,22 +7,9 @@ import pytest
 import ray
 import torch
 
+from rapo_ray.model.factory import pad_token_id
+from rapo_ray.types.learner_batch import LearnerBatch, from_numpy
 from rapo_ray.types.trajectory import Task
-from tests.conftest import tiny_config
-
-
-@pytest.fixture(scope="module")
-def fleet_cfg(tiny_model_dir, tmp_path_factory):
-    return tiny_config(
-        tmp_path_factory.mktemp("fleet"),
-        f"model.path={tiny_model_dir}",
-        "rollout.engine=torch",
-        "rollout.num_workers=2",
-        "rollout.max_workers=3",
-        "rollout.max_response_tokens=48",
-        "rollout.max_step_tokens=16",
-        "resources.cpus_per_rollout_worker=0.5",
-    )
 
 
 def _groups(n):
@@ -241,7 +228,6 @@ def test_kl_penalty_pulls_the_policy_back_to_the_starting_model(ray_session, fle
 
     from rapo_ray.core.metrics import merge_actor_stats
     from rapo_ray.core.net import free_port
-    from rapo_ray.types.batch import TrajectoryBatch
     from rapo_ray.types.trajectory import Trajectory
     from rapo_ray.workers.learner import LearnerWorker
 
@@ -265,15 +251,16 @@ def test_kl_penalty_pulls_the_policy_back_to_the_starting_model(ray_session, fle
             )
             for i in range(4)
         ]
-        batch = TrajectoryBatch(trajs)
-        old = ray.get(actor.forward_old.remote([batch]))
-        batch.old_logprobs = [logp for logp, _ in old]
-        batch.advantage, batch.shaping = [1.0 if i % 2 else -1.0 for i in range(4)], [1.0] * 4
+        batch = LearnerBatch.from_trajectories(trajs, pad_token_id(tiny_model_dir))
+        ((old, _),) = ray.get(actor.forward_old.remote([batch]))
+        batch.old_logprobs = from_numpy(old)
+        batch = batch.with_advantages([1.0 if i % 2 else -1.0 for i in range(4)], [1.0] * 4)
         denominator = float(sum(len(t.loss_mask) for t in trajs))
         push = merge_actor_stats([ray.get(actor.update.remote([([batch], denominator)]))])
         assert push["kl_ref"] == pytest.approx(0.0, abs=1e-7)  # the first forward is the reference itself
-        moved = ray.get(actor.forward_old.remote([batch]))
-        batch.old_logprobs, batch.advantage = [logp for logp, _ in moved], [0.0] * 4
+        ((moved, _),) = ray.get(actor.forward_old.remote([batch]))
+        batch = batch.with_advantages([0.0] * 4, [1.0] * 4)
+        batch.old_logprobs = from_numpy(moved)
         kls = [merge_actor_stats([ray.get(actor.update.remote([([batch], denominator)]))])["kl_ref"] for _ in range(4)]
         assert kls[0] > 1e-4 and kls[-1] < 0.5 * kls[0]
     finally:
@@ -288,7 +275,6 @@ def test_micro_batches_accumulate_to_the_same_update(ray_session, fleet_cfg, tin
 
     from rapo_ray.core.metrics import merge_actor_stats
     from rapo_ray.core.net import free_port
-    from rapo_ray.types.batch import TrajectoryBatch
     from rapo_ray.types.trajectory import Trajectory
     from rapo_ray.workers.learner import LearnerWorker
 
@@ -301,30 +287,29 @@ def test_micro_batches_accumulate_to_the_same_update(ray_session, fleet_cfg, tin
                    response_ids=list(range(6, 12 + i)), loss_mask=[1] * (6 + i))
         for i in range(4)
     ]  # fmt: skip
-    batch = TrajectoryBatch(trajs)
+    batch = LearnerBatch.from_trajectories(trajs, pad_token_id(tiny_model_dir))
     denominator = float(sum(len(t.loss_mask) for t in trajs))
     results = []
-    for split in ([batch], [batch.select([i]) for i in range(4)]):
+    for micro in (False, True):
         actor = ray.remote(num_cpus=0.5)(LearnerWorker).remote(
             0, 1, free_port(), str(tiny_model_dir), asdict(cfg), "gloo"
         )
         try:
-            old = ray.get(actor.forward_old.remote([batch]))
-            for mb in split:
-                rows = [trajs.index(t) for t in mb.trajectories]
-                mb.old_logprobs = [old[r][0] for r in rows]
-                mb.advantage, mb.shaping = [1.0 if r % 2 else -1.0 for r in rows], [1.0] * len(rows)
+            old = from_numpy(ray.get(actor.forward_old.remote([batch]))[0][0])
+            full = batch.with_advantages([1.0 if r % 2 else -1.0 for r in range(4)], [1.0] * 4)
+            full.old_logprobs = old
+            split = [full.select([i]) for i in range(4)] if micro else [full]
             stats = merge_actor_stats([ray.get(actor.update.remote([(split, denominator)]))])
-            after = ray.get(actor.forward_old.remote([batch]))
-            results.append((stats, [lp for lp, _ in after], [lp for lp, _ in old]))
+            after = from_numpy(ray.get(actor.forward_old.remote([batch]))[0][0])
+            results.append((stats, after, old))
         finally:
             ray.get(actor.shutdown.remote())
             ray.kill(actor)
     (whole, after_whole, old), (micro, after_micro, _) = results
     assert micro["loss_sum"] == pytest.approx(whole["loss_sum"], abs=1e-6)
     assert micro["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
-    moved = max(abs(a - b) for row_a, row_b in zip(after_whole, old) for a, b in zip(row_a, row_b))
-    gap = max(abs(a - b) for row_a, row_b in zip(after_whole, after_micro) for a, b in zip(row_a, row_b))
+    moved = float((after_whole - old).abs().max())
+    gap = float((after_whole - after_micro).abs().max())
     assert moved > 1e-3 and gap < 1e-4 * moved
 
 
@@ -340,7 +325,14 @@ def test_forward_old_puts_length_sorted_micro_batches_back_in_row_order(ray_sess
     @ray.remote(num_cpus=0)
     class Echo:
         def forward_old(self, micro_batches):
-            return [([float(len(t.response_ids))], [float(t.slot)]) for mb in micro_batches for t in mb.trajectories]
+            """Each row's response positions hold its response length (log-probs) and its row index (entropies)."""
+            return [
+                (
+                    (mb.response_mask * (mb.length - mb.prompt_len)[:, None]).numpy(),
+                    (mb.response_mask * mb.row[:, None]).numpy(),
+                )
+                for mb in micro_batches
+            ]
 
     lengths = [30, 3, 4, 31, 5, 29, 6, 2, 33]
     trajs = [
@@ -349,14 +341,20 @@ def test_forward_old_puts_length_sorted_micro_batches_back_in_row_order(ray_sess
         for i, n in enumerate(lengths)
     ]  # fmt: skip
     group = LearnerGroup.__new__(LearnerGroup)
-    group.workers = [Echo.remote(), Echo.remote()]
+    group.workers, group.pad_id = [Echo.remote(), Echo.remote()], 0
     for length_sorted in (True, False):
         learner = replace(fleet_cfg.learner, world_size=2, mini_batch_size=8, length_sorted_micro_batches=length_sorted)
         group.cfg = replace(fleet_cfg, learner=learner)
         batch = TrajectoryBatch(trajs)
         group.forward_old(batch)
-        assert batch.old_logprobs == [[float(n)] for n in lengths]
-        assert batch.entropies == [[float(i)] for i in range(len(lengths))]
+        lb = batch.learner
+        assert [set(lb.response_values("old_logprobs", i).tolist()) for i in range(len(lengths))] == [
+            {float(n)} for n in lengths
+        ]
+        assert [set(lb.response_values("entropies", i).tolist()) for i in range(len(lengths))] == [
+            {float(i)} for i in range(len(lengths))
+        ]
+        assert float((lb.old_logprobs * (1 - lb.response_mask)).abs().sum()) == 0  # nothing outside responses
 
 
 def test_checkpoint_in_a_lower_dtype_keeps_fp32_master_weights(ray_session, fleet_cfg, tiny_model_dir, tmp_path):
@@ -368,7 +366,6 @@ def test_checkpoint_in_a_lower_dtype_keeps_fp32_master_weights(ray_session, flee
 
     from rapo_ray.core.net import free_port
     from rapo_ray.model.factory import load_model
-    from rapo_ray.types.batch import TrajectoryBatch
     from rapo_ray.types.trajectory import Trajectory
     from rapo_ray.workers.learner import LearnerWorker
 
@@ -383,12 +380,11 @@ def test_checkpoint_in_a_lower_dtype_keeps_fp32_master_weights(ray_session, flee
                    response_ids=list(range(6, 12 + i)), loss_mask=[1] * (6 + i))
         for i in range(2)
     ]  # fmt: skip
-    batch = TrajectoryBatch(trajs)
+    batch = LearnerBatch.from_trajectories(trajs, pad_token_id(tiny_model_dir)).with_advantages([1.0, -1.0], [1.0, 1.0])
     path = tmp_path / "step-1"
     actor = make.remote(0, 1, free_port(), str(tiny_model_dir), asdict(cfg), "gloo")
     try:
-        batch.old_logprobs = [lp for lp, _ in ray.get(actor.forward_old.remote([batch]))]
-        batch.advantage, batch.shaping = [1.0, -1.0], [1.0, 1.0]
+        batch.old_logprobs = from_numpy(ray.get(actor.forward_old.remote([batch]))[0][0])
         ray.get(actor.update.remote([([batch], 13.0)]))
         trained = ray.get(actor.full_state_dict.remote())
         assert ray.get(actor.save_checkpoint.remote(str(path), str(tiny_model_dir)))

@@ -11,33 +11,11 @@ from rapo_ray.agent.loop import AgentLoop, LoopSettings, answer_handed
 from rapo_ray.agent.retriever import InMemoryStepRetriever, StoredStep, steps_of
 from rapo_ray.algos.entropy import GENERATED, RETRIEVED, TOOL_RESULT
 from rapo_ray.engines.base import GenerationResult, InferenceEngine
-from rapo_ray.envs.suite import build_tools, task_splits
+from rapo_ray.envs.suite import task_splits
 from rapo_ray.pipelines.expert import ScriptedExpertEngine
-from rapo_ray.retrieval.search_index import search_index_for
 from rapo_ray.types import protocol
 from rapo_ray.types.trajectory import Task
-
-
-@pytest.fixture(scope="module")
-def tools(tiny_cfg):
-    ts = build_tools(tiny_cfg.tasks, tiny_cfg.rollout, search_index_for(tiny_cfg.tasks))
-    yield ts
-    ts.close()
-
-
-def settings(**kw):
-    s = LoopSettings(
-        temperature=0.0,
-        max_response_tokens=400,
-        max_step_tokens=64,
-        max_tool_calls=3,
-        seed=0,
-        system_prompt=protocol.SHORT_SYSTEM_PROMPT,
-    )
-    for k, v in kw.items():
-        setattr(s, k, v)
-    return s
-
+from tests.helpers import settings
 
 SCHEDULES = pytest.mark.parametrize("schedule", ["lockstep", "per_trajectory"])
 

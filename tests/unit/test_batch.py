@@ -1,12 +1,15 @@
-"""TrajectoryBatch (the one object from the fleet to the loss) and the learner group's split over ranks."""
+"""TrajectoryBatch (the step), LearnerBatch (its tensors on the learner path) and the split over ranks, by hand."""
 
 from __future__ import annotations
+
+import pickle
 
 import pytest
 import torch
 
 from rapo_ray.algos.entropy import GENERATED, RETRIEVED, TOOL_RESULT
 from rapo_ray.types.batch import PARQUET_COLUMNS, TrajectoryBatch
+from rapo_ray.types.learner_batch import LearnerBatch
 from rapo_ray.types.trajectory import Retrieval, Trajectory
 
 
@@ -22,33 +25,63 @@ def _traj(i: int, n_resp: int, group: str = "g") -> Trajectory:
 
 def test_select_concat_keep_rows_and_stage_fields_aligned():
     b = TrajectoryBatch([_traj(i, 4 + i) for i in range(4)])
-    b.old_logprobs = [[float(i)] * (4 + i) for i in range(4)]
+    b.learner = LearnerBatch.from_trajectories(b.trajectories, pad_id=0)
     b.advantage = [10.0, 11.0, 12.0, 13.0]
     part = b.select([3, 1])
-    assert [t.slot for t in part] == [3, 1] and part.advantage == [13.0, 11.0] and part.old_logprobs[0] == [3.0] * 7
-    assert part.entropies is None and part.shaping is None  # unfilled stages stay unfilled
-    joined = TrajectoryBatch.concat([b.select([0]), b.select([2, 3])])
+    assert [t.slot for t in part] == [3, 1] and part.advantage == [13.0, 11.0]
+    assert part.learner.row.tolist() == [3, 1] and part.learner.input_ids.shape == (2, 10)  # 3 + 7 tokens, trimmed
+    assert part.step_entropies is None and part.shaping is None  # unfilled stages stay unfilled
+    fresh = TrajectoryBatch([_traj(i, 4 + i) for i in range(4)], advantage=[10.0, 11.0, 12.0, 13.0])
+    joined = TrajectoryBatch.concat([fresh.select([0]), fresh.select([2, 3])])
     assert [t.slot for t in joined] == [0, 2, 3] and joined.advantage == [10.0, 12.0, 13.0]
-    # a stage field survives concat only when every part has it
-    assert TrajectoryBatch.concat([b.select([0]), TrajectoryBatch([_traj(9, 4)])]).advantage is None
+    # a stage field survives concat only when every part has it; learner data is built after the fleet joins
+    assert TrajectoryBatch.concat([fresh.select([0]), TrajectoryBatch([_traj(9, 4)])]).advantage is None
+    with pytest.raises(ValueError, match="before the old-policy pass"):
+        TrajectoryBatch.concat([b.select([0]), b.select([1])])
 
 
 def test_require_names_the_missing_stage():
     b = TrajectoryBatch([_traj(0, 4)])
-    with pytest.raises(ValueError, match=r"\['old_logprobs', 'advantage'\] not filled yet"):
-        b.require("old_logprobs", "advantage")
+    with pytest.raises(ValueError, match=r"\['learner', 'advantage'\] not filled yet"):
+        b.require("learner", "advantage")
+    with pytest.raises(ValueError, match=r"\['old_logprobs'\] not filled yet"):
+        LearnerBatch.from_trajectories(b.trajectories, pad_id=0).require("old_logprobs")
+
+
+def test_learner_batch_by_hand():
+    """Row 0: 3 prompt + 4 response tokens (2 generated, then 2 tool-result tokens). Targets shift by one, so the
+    response starts at target column 2."""
+    lb = LearnerBatch.from_trajectories([_traj(0, 4), _traj(1, 6)], pad_id=99)
+    assert lb.input_ids.shape == (2, 9) and lb.input_ids[0].tolist() == [1, 2, 3, 10, 11, 7, 8, 99, 99]
+    assert lb.attention_mask[0].tolist() == [1] * 7 + [0, 0]
+    assert lb.response_mask[0].tolist() == [0, 0, 1, 1, 1, 1, 0, 0] and lb.loss_mask[0].tolist() == [
+        0,
+        0,
+        1,
+        1,
+        0,
+        0,
+        0,
+        0,
+    ]
+    assert lb.response_span(0) == (2, 6) and lb.response_span(1) == (2, 8) and lb.tokens() == 7 + 9
+    lb.entropies = torch.arange(16, dtype=torch.float32).reshape(2, 8)
+    assert lb.response_values("entropies", 0).tolist() == [2.0, 3.0, 4.0, 5.0]
 
 
 def test_padding_rows_weigh_nothing():
-    b = TrajectoryBatch([_traj(0, 5)], old_logprobs=[[-1.0] * 5], advantage=[2.0], shaping=[1.1])
-    pad = b.padding_like(2)
-    assert len(pad) == 2 and all(sum(t.loss_mask) == 0 for t in pad)
-    assert pad.advantage == [0.0, 0.0] and pad.shaping == [1.0, 1.0] and pad.old_logprobs == [[0.0] * 5] * 2
+    lb = LearnerBatch.from_trajectories([_traj(0, 5)], pad_id=0).with_advantages([2.0], [1.1])
+    lb.old_logprobs = torch.full_like(lb.response_mask, -1.0)
+    pad = LearnerBatch.padding(2, pad_id=0, like=lb)
+    assert len(pad) == 2 and pad.loss_mask.sum() == 0 and pad.row.tolist() == [-1, -1]
+    assert pad.advantage.tolist() == [0.0, 0.0] and pad.shaping.tolist() == [1.0, 1.0]
+    assert pad.old_logprobs.abs().sum() == 0 and pad.entropies is None  # only the stages ``like`` has
 
 
-def test_parquet_rows_and_learner_table_round_trip():
+def test_parquet_rows_and_learner_arrow_round_trip():
     b = TrajectoryBatch([_traj(i, 4 + i) for i in range(3)])
-    b.old_logprobs = [[-0.1 * i] * (4 + i) for i in range(3)]
+    lb = LearnerBatch.from_trajectories(b.trajectories, pad_id=0).with_advantages([0.5, -0.5, 0.0], [1.0, 1.02, 1.0])
+    lb.old_logprobs = -0.1 * lb.response_mask
     b.step_entropies, b.advantage, b.retrieval_reward, b.shaping = (
         [[1.0]] * 3,
         [0.5, -0.5, 0.0],
@@ -60,10 +93,18 @@ def test_parquet_rows_and_learner_table_round_trip():
         list(rows[1]) == list(PARQUET_COLUMNS) and rows[1]["advantage"] == -0.5 and rows[1]["retrieval_reward"] == 0.3
     )
     assert rows[1]["segments"][1] == {"kind": RETRIEVED, "start": 3, "end": 5} and rows[1]["num_retrievals"] == 1
-    table = b.learner_table({"mb": [0, 0, 1]})
-    back = TrajectoryBatch.from_learner_table(table.to_pylist())
-    assert [t.response_ids for t in back] == [t.response_ids for t in b] and back.advantage == b.advantage
-    assert back.old_logprobs == b.old_logprobs and [t.loss_mask for t in back] == [t.loss_mask for t in b]
+    table = lb.to_arrow({"mb": [0, 0, 1]})
+    assert table.column("mb").to_pylist() == [0, 0, 1]
+    back = LearnerBatch.from_arrow(table)
+    for name in ("input_ids", "attention_mask", "response_mask", "loss_mask", "old_logprobs", "advantage", "shaping"):
+        assert getattr(back, name).dtype == getattr(lb, name).dtype, name
+        assert torch.equal(getattr(back, name), getattr(lb, name)), name
+    assert back.row.tolist() == [0, 1, 2] and back.entropies is None
+    joined = LearnerBatch.concat([lb.select([2]), lb.select([0])], pad_id=0)
+    assert joined.row.tolist() == [2, 0] and torch.equal(joined.input_ids, lb.select([2, 0]).input_ids)
+    # across a process boundary: numpy buffers on the wire, the same tensors back
+    again = pickle.loads(pickle.dumps(lb, protocol=5))
+    assert all(torch.equal(getattr(again, f), getattr(lb, f)) for f in ("input_ids", "loss_mask", "old_logprobs"))
 
 
 def test_advantage_inputs_are_the_estimators_columns():
@@ -78,19 +119,18 @@ def test_advantage_inputs_are_the_estimators_columns():
 
 
 def test_split_for_ranks_round_robin_with_padding():
-    from rapo_ray.workers.learner import _collate, split_for_ranks
+    from rapo_ray.workers.learner import split_for_ranks
 
-    b = TrajectoryBatch([_traj(i, 4 + i) for i in range(5)], old_logprobs=[[0.0] * (4 + i) for i in range(5)])
-    per_rank, rows = split_for_ranks(b, world=2, micro=2)
+    lb = LearnerBatch.from_trajectories([_traj(i, 4 + i) for i in range(5)], pad_id=0)
+    lb.old_logprobs = torch.zeros_like(lb.response_mask)
+    per_rank, rows = split_for_ranks(lb, world=2, micro=2, pad_id=0)
     assert rows == [[[0, 2], [4]], [[1, 3], []]]
     # rank 0 gets rows 0, 2, 4 (two micro-batches); rank 1 rows 1, 3 and one padding micro-batch
-    assert [[t.slot for t in mb] for mb in per_rank[0]] == [[0, 2], [4]]
-    assert [[t.slot for t in mb] for mb in per_rank[1]] == [[1, 3], [-1]]
-    ids, attn, resp, mask, old = _collate(per_rank[0][0], pad_id=0)
-    # row 0: 3 prompt + 4 response tokens; targets shift by one, so the response mask starts at position 2
-    assert ids.shape == (2, 9) and attn[0].tolist() == [1] * 7 + [0, 0]
-    assert resp[0].tolist() == [0, 0, 1, 1, 1, 1, 0, 0] and mask[0].tolist() == [0, 0, 1, 1, 0, 0, 0, 0]
-    assert torch.equal(old, torch.zeros_like(old))
+    assert [mb.row.tolist() for mb in per_rank[0]] == [[0, 2], [4]]
+    assert [mb.row.tolist() for mb in per_rank[1]] == [[1, 3], [-1]]
+    # each micro-batch is padded to its own longest row: rows 0 and 2 have 3 + 4 and 3 + 6 tokens
+    assert per_rank[0][0].input_ids.shape == (2, 9) and per_rank[0][1].input_ids.shape == (1, 11)
+    assert per_rank[1][1].loss_mask.sum() == 0 and per_rank[1][1].old_logprobs is not None
 
 
 def test_length_sorted_groups_by_hand():

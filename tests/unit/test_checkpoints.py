@@ -6,24 +6,14 @@ from __future__ import annotations
 import pytest
 
 from rapo_ray.core.errors import CheckpointError
-from rapo_ray.training.checkpoints import MANIFEST, newest_complete, problem, write_manifest
-
-
-def _checkpoint(root, step: int):
-    path = root / f"step-{step:06d}"
-    path.mkdir(parents=True)
-    (path / "model.safetensors").write_bytes(bytes(range(256)) * 40)
-    (path / "optimizer.pt").write_bytes(b"o" * 5000)
-    (path / "trainer_state.json").write_text('{"step": %d}' % step)
-    write_manifest(path)
-    (path / "COMPLETE").write_text("ok\n")
-    return path
+from rapo_ray.training.checkpoints import MANIFEST, newest_complete, problem
+from tests.helpers import write_checkpoint
 
 
 def test_the_manifest_names_what_is_wrong_and_resume_falls_back(tmp_path):
     ck = tmp_path / "checkpoints"
     assert newest_complete(ck) is None  # nothing saved yet: a fresh start
-    old, new = _checkpoint(ck, 4), _checkpoint(ck, 8)
+    old, new = write_checkpoint(ck, 4), write_checkpoint(ck, 8)
     assert problem(old) is None and problem(new) is None and newest_complete(ck) == new
 
     (new / "optimizer.pt").write_bytes(b"o" * 100)  # truncated: a driver killed mid-write, a full disk

@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-
-def _compare_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "compare_algorithms", Path(__file__).resolve().parents[2] / "benchmarks" / "compare_algorithms.py"
-    )
-    compare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compare)
-    return compare
+from tests.helpers import compare_module
 
 
 def test_compare_flags_a_reward_earned_with_a_retrieved_answer_after_wrong_own_searches():
     """compare_algorithms.leak_flags on a rollout of the kind the alias comparison found (session 16): the policy
     searched the wrong relation twice, a retrieved block showed the expert's last hop, and it answered from it."""
-    compare = _compare_module()
+    compare = compare_module()
     expert = {"neighbor of Dohimi", "sibling of Tupaka", "rival of Pamisi"}
     leaked = (
         "<think>find the partner of Dohimi</think><search>partner of Dohimi</search><result>...</result>"

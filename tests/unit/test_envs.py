@@ -8,42 +8,20 @@ from pathlib import Path
 
 import pytest
 
-from rapo_ray.agent.loop import AgentLoop, LoopSettings
+from rapo_ray.agent.loop import AgentLoop
 from rapo_ray.core.errors import DataError
 from rapo_ray.envs import tasks as bundled
 from rapo_ray.envs.loaders import gsm8k_to_trajectory_text, load_examples
 from rapo_ray.envs.rewards import format_ok, math_equal, score, token_f1
-from rapo_ray.envs.suite import build_tools, to_task
+from rapo_ray.envs.suite import to_task
 from rapo_ray.envs.tools import LexicalIndex, PythonSandbox
 from rapo_ray.pipelines.expert import ScriptedExpertEngine
-from rapo_ray.retrieval.search_index import search_index_for
-from rapo_ray.types import protocol
+from tests.helpers import settings
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
 
 
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data not present")
-
-
-@pytest.fixture(scope="module")
-def tools(tiny_cfg):
-    ts = build_tools(tiny_cfg.tasks, tiny_cfg.rollout, search_index_for(tiny_cfg.tasks))
-    yield ts
-    ts.close()
-
-
-def settings(**kw):
-    s = LoopSettings(
-        temperature=0.0,
-        max_response_tokens=400,
-        max_step_tokens=64,
-        max_tool_calls=3,
-        seed=0,
-        system_prompt=protocol.SHORT_SYSTEM_PROMPT,
-    )
-    for k, v in kw.items():
-        setattr(s, k, v)
-    return s
 
 
 def test_splits_disjoint_and_seeded():

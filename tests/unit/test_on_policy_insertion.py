@@ -2,34 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
-
-from rapo_ray.agent.loop import AgentLoop, LoopSettings
-from rapo_ray.envs.suite import build_tools, task_splits
+from rapo_ray.agent.loop import AgentLoop
+from rapo_ray.envs.suite import task_splits
 from rapo_ray.pipelines.expert import ScriptedExpertEngine
-from rapo_ray.retrieval.search_index import search_index_for
-from rapo_ray.types import protocol
-
-
-@pytest.fixture(scope="module")
-def tools(tiny_cfg):
-    ts = build_tools(tiny_cfg.tasks, tiny_cfg.rollout, search_index_for(tiny_cfg.tasks))
-    yield ts
-    ts.close()
-
-
-def settings(**kw):
-    s = LoopSettings(
-        temperature=0.0,
-        max_response_tokens=400,
-        max_step_tokens=64,
-        max_tool_calls=3,
-        seed=0,
-        system_prompt=protocol.SHORT_SYSTEM_PROMPT,
-    )
-    for k, v in kw.items():
-        setattr(s, k, v)
-    return s
+from tests.helpers import settings
 
 
 def test_a_failed_buffer_insertion_is_counted_and_the_step_goes_on(tiny_cfg, tiny_tokenizer, tools, monkeypatch):
