@@ -549,7 +549,7 @@ def generated_text(tokenizer, t: Trajectory) -> str:
 def answer_handed(answer: str, retrieved_text: str, own_tool_text: str) -> bool:
     """Whether a rollout's answer was handed to it: it occurs (whole words, any case) in the retrieved steps'
     text and in none of the results of the rollout's own tool calls. Such a rollout is rewarded for what the
-    off-policy expert found, and its own (often wrong) calls are reinforced with it (docs/RESULTS.md)."""
+    off-policy expert found, and its own (often wrong) calls are reinforced with it (docs/RESULTS.md, Algorithms)."""
     words = re.escape(" ".join(answer.split())).replace(r"\ ", r"\s+")
     pattern = re.compile(rf"(?<!\w){words}(?!\w)", re.IGNORECASE)
     return bool(answer.strip()) and bool(pattern.search(retrieved_text)) and not pattern.search(own_tool_text)

@@ -69,7 +69,7 @@ def query_text(question: str, history: str, max_chars: int = 1300) -> str:
     """The text a retrieval query (or a stored step's key) embeds for the state "``question``, then
     ``history``": the last ``max_chars`` characters of both (the paper's S_<t, cut as in the RAPO authors' index
     code). Cheaper forms (the last step only, an incremental embedding) were measured against it and lose too
-    many neighbours: ``benchmarks/bench_query_forms.py``, docs/RESULTS.md."""
+    many neighbours: ``benchmarks/bench_query_forms.py``, docs/RESULTS.md, Performance."""
     return (question + history)[-max_chars:]
 
 

@@ -105,7 +105,7 @@ class TasksConfig:
         3,
         "Tool steps of the bundled families' RL questions and held-out problems: 2, 3, or 0 for a mix of both. The "
         "warm start always draws its own mix (trainer.sft_examples 2-step, trainer.sft_hard_examples 3-step demos), "
-        "so by default RL trains and is evaluated where the warm start is weak (docs/RESULTS.md).",
+        "so by default RL trains and is evaluated where the warm start is weak.",
         (0, 2, 3),
     )
     data_files: list = option([], "Real data files to add (toolstar parquet, eval jsonl); see rapo_ray.envs.loaders.")
@@ -119,7 +119,7 @@ class TasksConfig:
     search_backend: str = option(
         "lexical",
         "Index of the search tool's corpus: lexical (in-memory TF-IDF; exact on the bundled facts) or milvus (dense "
-        "MiniLM in a Milvus collection; measured top-1 0.85 on the bundled facts).",
+        "MiniLM in a Milvus collection; less exact on the bundled facts' made-up names).",
         ("lexical", "milvus"),
     )
     search_milvus_uri: str = option(
@@ -190,7 +190,7 @@ class RolloutConfig:
     )
     tool_output_chars: int = option(512, "Tool output is truncated to this many characters.")
     threads_per_worker: int = option(
-        1, "Intra-op torch threads per rollout process (1 avoids 20x slowdowns on small boxes)."
+        1, "Intra-op torch threads per rollout process (more than 1 oversubscribes small boxes, badly)."
     )
     vllm_kv_cache_gb: float = option(1.0, "vLLM KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE on CPU).")
     vllm_block_size: int = option(32, "vLLM KV block size; 32 gives short multi-turn prompts prefix-cache hits on CPU.")
@@ -238,7 +238,7 @@ class RetrievalConfig:
     embed_cache_size: int = option(
         20000,
         "Query vectors each retrieval replica keeps for reuse (LRU, ~3 KB each with its text): hybrid slots of a group "
-        "often share a history, so many queries repeat (39% in a default run). 0 turns the cache off.",
+        "often share a history, so many queries repeat. 0 turns the cache off.",
     )
     max_batch_size: int = option(256, "Serve batching: max queries per batch.")
     batch_wait_ms: float = option(
@@ -255,8 +255,8 @@ class RetrievalConfig:
     target_ongoing_requests: int = option(32, "Serve autoscaling target per replica.")
     num_gpus: float = option(
         0.0,
-        "GPUs per retrieval replica; with one, MiniLM embeds the queries on it (measured ~1,650 histories/s on an "
-        "H100 vs ~10/s on a CPU core). A fraction (0.1) shares a GPU with a rollout engine.",
+        "GPUs per retrieval replica; with one, MiniLM embeds the queries on it, far faster than on the CPU cores the "
+        "engines decode on. A fraction (0.1) shares a GPU with a rollout engine.",
     )
     noise_prob: float = option(
         0.0, "Replace a retrieved step by a random stored one with this probability (noisy-retrieval study)."
@@ -316,7 +316,7 @@ class RapoConfig:
         True,
         "False (not in the paper): a hybrid rollout whose answer occurs in a retrieved step and in none of its own "
         "tool results earns reward 0 instead of its score, since the expert found that answer, not the policy. "
-        "On the alias family most of RAPO's rewarded retrieved rollouts were such (docs/RESULTS.md).",
+        "(docs/RESULTS.md, Algorithms: the answer leak).",
     )
 
 
@@ -340,7 +340,7 @@ class AlgoConfig:
         0.1,
         "KL penalty coefficient beta against the starting policy (k3 per token; a frozen copy of "
         "the starting model on each learner rank). The paper uses 0; without it RL on the bundled "
-        "3-step tasks unlearned the warm start's third search (docs/RESULTS.md).",
+        "3-step tasks unlearned the warm start's third search (docs/RESULTS.md, Algorithms).",
     )
     kl_type: str = option("k3", "KL estimator.", ("k1", "k3"))
     loss_agg_mode: str = option(
@@ -371,7 +371,7 @@ class LearnerConfig:
     fsdp: bool = option(True, "Shard the model with FSDP2 fully_shard.")
     lr: float = option(
         1e-4,
-        "Learning rate. 1e-4 suits the bundled ~1M-parameter model (the sweep is in docs/RESULTS.md); the paper "
+        "Learning rate. 1e-4 suits the bundled ~1M-parameter model (docs/RESULTS.md, Algorithms); the paper "
         "(ARPO) uses 1e-6 for 3B-7B models.",
     )
     lr_schedule: str = option("constant", "Learning-rate schedule.", ("constant", "cosine", "linear"))
@@ -390,7 +390,8 @@ class LearnerConfig:
         "Cut a rank's rows into micro-batches of rows of about the same length (padding within 10% of the real "
         "tokens; at most micro_batch_size rows each), instead of in row order. The update is the same to float "
         "tolerance (gradients accumulate); fewer tokens are padded but there are more forward/backward passes, "
-        "which costs more than it saves on the bundled model on a CPU (docs/RESULTS.md). Applies to the default "
+        "which costs more than it saves on the bundled model on a CPU (docs/RESULTS.md, Performance). Applies to the "
+        "default "
         "learner feed, not to trainer.learner_feed=streaming_split.",
     )
 
@@ -492,14 +493,13 @@ class TrainerConfig:
     sft_hard_examples: int = option(
         100,
         "Warm-start demonstrations per family of the hard (3-step) problems: few enough that RL has room on them, "
-        "enough that the warm-started policy sometimes solves them (accuracy per demo count and sft_seed in "
-        "docs/RESULTS.md).",
+        "enough that the warm-started policy sometimes solves them (docs/RESULTS.md, The default run).",
     )
     sft_family_examples: dict = option(
         {"alias": 0},
         "Warm-start demonstrations of a family, replacing sft_examples + sft_hard_examples for it (a 2/3-step mix "
         "from the start of its training split). The alias family's count decides how often the warm-started policy "
-        "samples its move (docs/RESULTS.md, the exploration family). An override replaces the whole mapping: keep "
+        "samples its move (docs/RESULTS.md, Algorithms). An override replaces the whole mapping: keep "
         "alias in it.",
     )
     rl_questions: int = option(
@@ -521,8 +521,8 @@ class TrainerConfig:
     advantages_on: str = option(
         "driver",
         "Where a step's group advantages are computed: in the driver, or as a Ray Data map_groups pipeline over the "
-        "step's Arrow rows (same numbers). Ray Data needs free CPU slots, which the run's actors mostly hold (its "
-        "cost is in docs/RESULTS.md).",
+        "step's Arrow rows (same numbers). Ray Data needs free CPU slots, which the run's actors mostly hold "
+        "(docs/RESULTS.md, Performance).",
         ("driver", "ray_data"),
     )
     max_failures: int = option(

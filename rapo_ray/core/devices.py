@@ -100,8 +100,8 @@ def shard_model(model, mp_policy=None) -> None:
 
 def machine_record(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> dict:
     """Where a result was computed: CPU model and its vector extensions, core count, GPU, and the numeric
-    libraries. A warm start built from the same code and packages scored 0.055 on one machine and 0.31 on
-    another (docs/RESULTS.md, session 19), so warm starts and runs write this beside their results. It describes
+    libraries. The same warm start, built from the same code and packages, has scored very differently on two
+    machines (docs/RESULTS.md, Known limits), so warm starts and runs write this beside their results. It describes
     the calling process's machine: in a run's summary that is the driver's (the warm start is built there too),
     not necessarily the learners' or engines' on a cluster."""
     model, flags = "", set()

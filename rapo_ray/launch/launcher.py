@@ -17,6 +17,8 @@ from pathlib import Path
 
 import ray
 import yaml
+from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+from ray.job_config import JobConfig
 
 from rapo_ray.algos.registry import get_algorithm
 from rapo_ray.config import Config, diff_configs, from_dict, save_config
@@ -75,7 +77,10 @@ def init_ray(cfg: Config) -> bool:
     address = cfg.resources.ray_address or os.environ.get("RAY_ADDRESS", "")
     env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", **QUIET_ENV}}
     if address:
-        _enable_token_auth_if_available()
+        enable_token_auth_if_available()
+        # A submitted job's own env_vars (``ray job submit --runtime-env``) win: Ray refuses to merge a key set twice.
+        job_vars = submitted_job_env_vars()
+        env["env_vars"] = {k: v for k, v in env["env_vars"].items() if k not in job_vars}
         ray.init(address=address, runtime_env=env, log_to_driver=True)
         return False
     # A local Ray may oversubscribe logical CPUs: every actor runs one torch thread and the learners and
@@ -106,7 +111,16 @@ def init_ray(cfg: Config) -> bool:
 _reaper = None  # the local Ray's reaper (rapo_ray/launch/ray_reaper.py), referenced for the driver's lifetime
 
 
-def _enable_token_auth_if_available() -> None:
+def submitted_job_env_vars() -> dict:
+    """The env_vars of the runtime env this driver was submitted with (``ray job submit``); {} outside a job."""
+    raw = os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR)
+    if not raw:
+        return {}
+    runtime_env = JobConfig.from_json(json.loads(raw)).runtime_env or {}
+    return dict(runtime_env.get("env_vars") or {})
+
+
+def enable_token_auth_if_available() -> None:
     """Ray 2.60 turns token auth on for clusters started on this machine (`ray start --head`), but a driver that
     connects by address only sends the token when RAY_AUTH_MODE=token. Use the token when one exists."""
     if os.environ.get("RAY_AUTH_MODE"):

@@ -1,7 +1,7 @@
 """Tears down the local Ray a job started once the job's driver is gone, however it went (SIGKILL included).
 
 Ray ties its GCS and raylet to the driver that started them, but the dashboard and runtime-env agents and idle
-workers only notice later (measured: alive 30 s+ after a driver SIGKILL, issue #22). ``watch(session_dir)``
+workers only notice much later (tens of seconds after a driver SIGKILL). ``watch(session_dir)``
 starts this module as a small process in a session of its own, holding the read end of a pipe whose write end
 only the driver has: when the driver ends, the pipe reads EOF, and after a short grace (a clean exit has run
 ``ray.shutdown()`` already) every process of that Ray session (its command line names the session folder, unique

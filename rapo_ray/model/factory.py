@@ -23,7 +23,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def set_torch_threads(n: int = 1) -> None:
-    """One intra-op thread per process unless configured: on a busy 2-core box two threads ran ~20x slower."""
+    """One intra-op thread per process unless configured: on a busy small box, more threads than cores spin and wait
+    for each other, many times slower."""
     n = int(os.environ.get("RAPO_TORCH_THREADS", n))
     os.environ.setdefault("OMP_NUM_THREADS", str(n))
     torch.set_num_threads(n)

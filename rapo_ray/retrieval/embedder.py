@@ -6,16 +6,14 @@ padding, embed with the **last token's** hidden state (or mean pooling, configur
 
 One departure, on purpose: position ids are counted from each text's first real token. MiniLM (BERT) has
 absolute position embeddings and numbers positions from the first column by default, so with left padding a
-text's embedding depended on how long the other texts in its batch were (measured: cosine 0.61 between a
-short query embedded alone and the same query batched with a 512-token text). Batched retrieval requests
-would get different neighbours depending on what they were batched with.
+text's embedding depended on how long the other texts in its batch were, and batched retrieval requests would get
+different neighbours depending on what they were batched with.
 
-Three savings that leave every vector as it was (to float tolerance), measured on a default run's retrievals
-(docs/RESULTS.md, issue #21): a batch is embedded in sub-batches of texts of about the same token length (on a
-CPU, padding a batch of rollout histories to its longest one made each text ~2x dearer than embedding it alone);
-vectors of texts seen before come from an LRU cache (in a default run 39% of retrieval queries repeat an
-earlier one: the hybrid slots of a group often share a history); and with last-token pooling the last layer
-runs for the last position only (the vector reads nothing else of it: ~1/6 of MiniLM's work less).
+Three savings that leave every vector as it was (to float tolerance; docs/RESULTS.md, Performance): a batch is
+embedded in sub-batches of texts of about the same token length (on a CPU, padding rollout histories to the longest
+costs more than it saves); vectors of texts seen before come from an LRU cache (the hybrid slots of a group often
+share a history); and with last-token pooling the last layer runs for the last position only (the vector reads
+nothing else of it).
 """
 
 from __future__ import annotations

@@ -2,16 +2,15 @@
 
 Milvus stays the buffer's store of record (the builder writes it, inserts go to it, other processes read it);
 a retrieval replica with ``retrieval.search_on=replica`` loads the collection's vectors and payloads once at
-start-up and answers searches with one matrix product, keeping its copy current with its own inserts. Why:
-on this 2-core box a milvus-lite search over 50k steps took ~0.3 s after a flush (~1.8 s before one), while
-the product over 50k x 384 float32 vectors takes milliseconds and is exact (recall 1 by construction). The
-copy costs ~1.6 KB of vector plus the payload text per step: fine up to a few million steps; beyond that,
-search in Milvus (``search_on=milvus``: HNSW on a Milvus server).
+start-up and answers searches with one matrix product, keeping its copy current with its own inserts. Why: on a
+CPU a milvus-lite search is far slower than one product over the whole buffer's vectors, which is also exact
+(recall 1 by construction). The copy costs one 384-float vector plus the payload text per step: fine up to a few
+million steps; beyond that, search in Milvus (``search_on=milvus``: HNSW on a Milvus server).
 
 The copy also answers "is this query a stored key?" (``key_vectors``): a query whose embedded text equals a
 stored step's key gets that step's vector instead of being embedded again. In a hybrid rollout that happens
 whenever the policy's history so far is, token for token, an off-policy trajectory's (a warm-started policy often
-writes the expert's first steps exactly): 24% of a default run's queries, measured in docs/RESULTS.md (issue #21).
+writes the expert's first steps exactly; docs/RESULTS.md, Performance).
 """
 
 from __future__ import annotations

@@ -210,8 +210,8 @@ class MilvusStepStore:
         return int(self.client.get_collection_stats(self.collection)["row_count"])
 
     def flush(self) -> None:
-        """Seal what was written so it is searched through the index: measured on milvus-lite at 50k steps, one
-        search took ~1.8 s on unflushed (growing) segments and ~0.3 s after the flush."""
+        """Seal what was written so it is searched through the index: milvus-lite searches unflushed (growing)
+        segments several times slower."""
         self.client.flush(self.collection)
 
     def random_steps(self, n: int, seed: int = 0) -> list[RetrievedStep]:
@@ -264,7 +264,7 @@ class MilvusLiteServer:
 
     A supervisor thread starts it and waits on it: a server that dies while the run still needs it (killed, out of
     memory) is started again on the same port and data directory, up to ``max_restarts`` times, so replicas and
-    the buffer's writers reconnect to the same URI (issue #22). ``restarts`` counts them."""
+    the buffer's writers reconnect to the same URI. ``restarts`` counts them."""
 
     def __init__(self, data_dir: str | Path, port: int | None = None, start_timeout_s: float = 60.0, max_restarts=5):
         self.data_dir = Path(data_dir)

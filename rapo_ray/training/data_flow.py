@@ -3,7 +3,7 @@
 ``compute_advantages`` fills the advantage stage of a ``TrajectoryBatch``: exact per-step entropies from the
 learner's old-policy pass, then the algorithm's group-wise estimator. ``trainer.advantages_on=ray_data`` runs
 the estimator as ``map_groups`` (one call per group) instead of in the driver; the numbers are identical, what
-it adds is Ray Data's per-step scheduling cost (measurements in docs/RESULTS.md), which is why the driver is
+it adds is Ray Data's per-step scheduling cost (docs/RESULTS.md, Performance), which is why the driver is
 the default.
 """
 

@@ -32,7 +32,7 @@ SYSTEM_PROMPT = (
 )
 
 # The bundled small model learns the protocol in its warm start, so it needs no instructions; a short prompt
-# keeps every sequence ~250 tokens shorter (3x cheaper rollouts and updates on a CPU).
+# keeps every sequence some 250 tokens shorter (much cheaper rollouts and updates on a CPU).
 SHORT_SYSTEM_PROMPT = "Solve with tools. <retrieve> blocks hold context from other solutions."
 
 

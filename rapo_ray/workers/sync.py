@@ -144,8 +144,8 @@ def messages(bucket: list[TensorSlot], sender: int, direct_bytes: int) -> list[l
 
     A sender holding the whole bucket sends it as one message in the bucket's layout (received in place).
     Otherwise pieces under ``direct_bytes`` go together in one message (the worker copies them into place), and
-    each larger piece is a message of its own, received straight into its place in the bucket: measured at the
-    0.5B shape, copying every row from a staging buffer cost 0.36-0.46 s of a 1.8-2.3 s push."""
+    each larger piece is a message of its own, received straight into its place in the bucket: at large shapes,
+    copying every row through a staging buffer was a fifth of a push (docs/RESULTS.md, Performance)."""
     pieces = segment(bucket, sender)
     if not pieces:
         return []
@@ -215,8 +215,7 @@ def _spec_from_json(raw: bytes) -> list[list[TensorSlot]]:
 
 class ReusedBuffers:
     """Flat buffers kept from one bucket (and push) to the next: a fresh multi-MB allocation per bucket is page
-    faults on every use, which cost more than the copies themselves (0.5B shape: moving 1 GB between two
-    processes took 2.7-3.4 s into fresh buffers, 1.2-1.3 s into reused ones, measured)."""
+    faults on every use, which cost more than the copies themselves (at the 0.5B shape, about twice the time)."""
 
     def __init__(self):
         self._bufs: dict[tuple, torch.Tensor] = {}
@@ -281,7 +280,7 @@ class SyncGroup:
 
     def abort(self) -> None:
         """Close the connections, so members waiting in a transfer fail now instead of at the timeout. Only the
-        process group's destructor closes them (measured: ``abort()`` and ``shutdown()`` leave the peers waiting)."""
+        process group's destructor closes them (``abort()`` and ``shutdown()`` leave the peers waiting)."""
         pg, self.pg = self.pg, None
         del pg
 

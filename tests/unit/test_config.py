@@ -205,21 +205,3 @@ def test_model_size_presets_set_the_shape_and_refuse_a_conflicting_field():
     with pytest.raises(ConfigError, match="model.size"):
         load_config(overrides=["model.size=7b"])
     assert load_config().model.hidden_size == MODEL_SIZES["bundled"]["hidden_size"]  # the default is the bundled shape
-
-
-def test_a_two_cpu_cluster_gets_cpu_shares_that_fit_or_the_overrides_that_would():
-    from rapo_ray.launch.plan import fit_cpus, resource_needs
-
-    cfg = load_config()  # 2 learners + 2 rollout workers at 1 CPU each
-    assert resource_needs(cfg).cpus_start == 4 and fit_cpus(cfg, 8) is None
-    said = fit_cpus(cfg, 2)
-    assert (cfg.resources.cpus_per_learner, cfg.resources.cpus_per_rollout_worker) == (0.5, 0.5)
-    assert "= 4 CPUs, but the cluster has 2" in said and resource_needs(cfg).cpus_start == 2
-    cfg = load_config(overrides=["resources.fit_cpus=false"])
-    with pytest.raises(
-        ConfigError, match="resources.cpus_per_learner=0.5 resources.cpus_per_rollout_worker=0.5 would fit"
-    ):
-        fit_cpus(cfg, 2)
-    assert cfg.resources.cpus_per_learner == 1.0  # refused: nothing changed
-    with pytest.raises(ConfigError, match="too few CPUs"):
-        fit_cpus(load_config(), 0.01)
