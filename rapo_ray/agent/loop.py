@@ -123,7 +123,9 @@ class AgentLoop:
     def prompt_ids(self, question: str) -> list[int]:
         if getattr(self.tok, "chat_template", None) and protocol.ASSISTANT not in self.tok.get_vocab():
             msgs = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": question}]
-            return list(self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))
+            return list(
+                self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+            )
         return self._encode(protocol.render_prompt(question, self.system_prompt))
 
     def messages_prompt_ids(self, messages: Sequence[dict]) -> list[int]:
@@ -134,7 +136,9 @@ class AgentLoop:
             system, msgs = msgs[0]["content"], msgs[1:]
         if getattr(self.tok, "chat_template", None) and protocol.ASSISTANT not in self.tok.get_vocab():
             full = [{"role": "system", "content": system}] + msgs
-            return list(self.tok.apply_chat_template(full, add_generation_prompt=True, tokenize=True))
+            return list(
+                self.tok.apply_chat_template(full, add_generation_prompt=True, tokenize=True, return_dict=False)
+            )
         return self._encode(protocol.render_conversation(msgs, system))
 
     def task_prompt_ids(self, task: Task) -> list[int]:

@@ -64,12 +64,19 @@ def _answers_from(value, where: str) -> tuple[str, ...]:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return (str(value),)
     if isinstance(value, list) and value and all(isinstance(v, (str, int, float)) for v in value):
-        return tuple(str(v).strip() for v in value)
+        aliases = tuple(str(v).strip() for v in value)
+        empty = [i for i, a in enumerate(aliases) if not a]
+        if empty:  # an empty alias would make an empty answer correct
+            raise DataError(f"{where}: answer alias {empty[0]} is empty")
+        return aliases
     raise DataError(f"{where}: answer must be a string or a non-empty list of strings, got {type(value).__name__}")
 
 
-def _row_to_example(path: Path, idx: int, row: dict, source: str) -> Example:
+def _row_to_example(path: Path, idx: int, row: dict, source: str, ordinal: int | None = None) -> Example:
+    """``idx``: the row's number in errors (a jsonl file's line, blank lines counted; a parquet row); ``ordinal``:
+    its place among the file's rows, the id of a row without one (``idx`` when not given)."""
     where = f"{path}: row {idx}"
+    ordinal = idx if ordinal is None else ordinal
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected an object, got {type(row).__name__}")
     if "prompt" in row and "reward_model" in row:  # verl format
@@ -85,7 +92,7 @@ def _row_to_example(path: Path, idx: int, row: dict, source: str) -> Example:
                 raise DataError(f"{where}: field 'prompt' has no user message and 'extra_info.question' is missing")
             question = users[-1]
         answers = _answers_from(rm["ground_truth"], f"{where}: field 'reward_model.ground_truth'")
-        ex_id = f"{source}-{extra.get('index', idx) if isinstance(extra, dict) else idx}"
+        ex_id = f"{source}-{extra.get('index', ordinal) if isinstance(extra, dict) else ordinal}"
     else:
         qkey = next((k for k in QUESTION_KEYS if k in row), None)
         if qkey is None:
@@ -97,7 +104,7 @@ def _row_to_example(path: Path, idx: int, row: dict, source: str) -> Example:
         if akey is None:
             raise DataError(f"{where}: no answer field (tried {list(ANSWER_KEYS)}); fields present: {sorted(row)}")
         answers = _answers_from(row[akey], f"{where}: field {akey!r}")
-        ex_id = f"{source}-{row.get('id', row.get('idx', idx))}"
+        ex_id = f"{source}-{row.get('id', row.get('idx', ordinal))}"
     return Example(str(ex_id), question.strip(), answers, _kind_for(path, row), source)
 
 
@@ -114,24 +121,29 @@ def load_examples(
         raise DataError(f"data file {p} does not exist")
     report, out = LoadReport(str(p)), []
     source = _source_name(p)
-    rows = _iter_rows(p)
-    for idx, row in enumerate(rows):
+    rows = 0
+    for ordinal, (line, row) in enumerate(_iter_rows(p)):
+        rows += 1
         if limit is not None and len(out) >= limit:
             break
         try:
             if isinstance(row, DataError):
                 raise row
-            out.append(_row_to_example(p, idx, row, source))
+            out.append(_row_to_example(p, line, row, source, ordinal))
             report.loaded += 1
         except DataError as exc:
             if not skip_bad_rows:
                 raise
             report.skipped += 1
             report.errors.append(str(exc))
+    if rows == 0:
+        raise DataError(f"data file {p} has no rows (it is empty or only blank lines)")
     return out, report
 
 
 def _iter_rows(p: Path):
+    """(row number, row or the DataError reading it) for every row; a jsonl row's number is its line's, blank lines
+    counted, so every error about one line names the same number."""
     if p.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -139,17 +151,20 @@ def _iter_rows(p: Path):
             table = pq.read_table(p)
         except Exception as exc:
             raise DataError(f"{p}: not a readable parquet file: {exc}") from exc
+        idx = 0
         for batch in table.to_batches(max_chunksize=1024):
-            yield from batch.to_pylist()
+            for row in batch.to_pylist():
+                yield idx, row
+                idx += 1
     elif p.suffix in (".jsonl", ".json"):
         with open(p, encoding="utf-8") as f:
             for idx, line in enumerate(f):
                 if not line.strip():
                     continue
                 try:
-                    yield json.loads(line)
+                    yield idx, json.loads(line)
                 except json.JSONDecodeError as exc:
-                    yield DataError(f"{p}: row {idx}: invalid JSON: {exc.msg}")
+                    yield idx, DataError(f"{p}: row {idx}: invalid JSON: {exc.msg}")
     else:
         raise DataError(f"{p}: unsupported file type {p.suffix!r} (use .jsonl or .parquet)")
 

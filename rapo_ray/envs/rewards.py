@@ -27,17 +27,35 @@ def normalize_answer(text: str) -> str:
     return " ".join(text.split())
 
 
+def _light_normalize(text: str) -> str:
+    """Lower case, no punctuation, single spaces: for a gold answer that SQuAD normalisation empties (an article
+    alone, "A"), where dropping articles would make every article, or an empty answer, match it."""
+    return " ".join("".join(ch for ch in text.lower() if ch not in _PUNCT).split())
+
+
+def _normalized_pair(prediction: str, gold: str) -> tuple[str, str]:
+    """(prediction, gold) normalised alike: SQuAD's rule, or the light one when SQuAD's leaves the gold empty. A gold
+    that is empty either way comes back empty, and the callers let it match nothing."""
+    g = normalize_answer(gold)
+    if g:
+        return normalize_answer(prediction), g
+    return _light_normalize(prediction), _light_normalize(gold)
+
+
 def exact_match(prediction: str, answers) -> float:
-    pred = normalize_answer(prediction)
-    return float(any(pred == normalize_answer(a) for a in _as_list(answers)))
+    for a in _as_list(answers):
+        pred, gold = _normalized_pair(prediction, a)
+        if gold and pred == gold:
+            return 1.0
+    return 0.0
 
 
 def token_f1(prediction: str, answers) -> float:
     """Max token F1 over the gold aliases."""
     best = 0.0
-    pred_tokens = normalize_answer(prediction).split()
     for a in _as_list(answers):
-        gold = normalize_answer(a).split()
+        pred, gold_text = _normalized_pair(prediction, a)
+        pred_tokens, gold = pred.split(), gold_text.split()
         common = Counter(pred_tokens) & Counter(gold)
         overlap = sum(common.values())
         if overlap == 0:
@@ -57,6 +75,8 @@ def _as_list(answers) -> list[str]:
 
 _LATEX_WRAPPERS = [r"\left", r"\right", r"\!", r"\,", r"\;", r"\:", "$", r"\displaystyle"]
 _TEXT_CMD = re.compile(r"\\(?:text|mathrm|mbox|textbf)\{([^{}]*)\}")
+# a unit in \text{} (or \mathrm, \mbox) right after a number: dropped, so "70 \text{ cm}" equals "70"
+_UNIT_AFTER_NUMBER = re.compile(r"(\d)\s*\\(?:text|mathrm|mbox)\{\s*[A-Za-z][^{}]*\}")
 _FRAC = re.compile(r"\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}")
 _SQRT = re.compile(r"\\sqrt\{([^{}]+)\}")
 
@@ -68,6 +88,7 @@ def _strip_math(s: str) -> str:
         s = boxed
     for w in _LATEX_WRAPPERS:
         s = s.replace(w, "")
+    s = _UNIT_AFTER_NUMBER.sub(r"\1", s)  # "70 \text{ cm}" -> "70": a unit after a quantity
     s = _TEXT_CMD.sub(r"\1", s)
     s = s.replace("^\\circ", "").replace("^{\\circ}", "").replace("\\%", "").replace("%", "")
     s = s.replace("\\$", "").replace(",\\!", "")

@@ -485,3 +485,37 @@ def test_paired_change_counts_flips_and_sign_test():
     six = paired_change({str(i): False for i in range(6)}, {str(i): True for i in range(6)})
     assert six["p_value"] == 2 / 64 and six["gain"] == 1.0
     assert paired_change({"a": True}, {"a": True})["p_value"] == 1.0
+
+
+def test_a_chat_template_tokenizer_gives_the_prompt_token_ids():
+    """A real checkpoint's tokenizer (no protocol frame tokens, a chat template): transformers 5's
+    ``apply_chat_template(tokenize=True)`` returns a ``BatchEncoding`` by default, and ``list()`` of it was its keys
+    ('input_ids', 'attention_mask'), which crashed the first rollout of every real model (issue #37)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    corpus = ["What is 2 + 3? <python>print(2 + 3)</python><answer>\\boxed{5}</answer> system user assistant"] * 20
+    bpe.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=300, special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )  # fmt: skip
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", eos_token="<|im_end|>")
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    loop = AgentLoop(None, tok, None, settings(system_prompt="Use the tools."))
+    ids = loop.prompt_ids("What is 2 + 3?")
+    assert all(isinstance(i, int) for i in ids)
+    assert tok.decode(ids) == (
+        "<|im_start|>system\nUse the tools.<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    asked = loop.messages_prompt_ids([{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}])
+    assert tok.decode(asked).startswith("<|im_start|>system\nS<|im_end|>") and all(isinstance(i, int) for i in asked)

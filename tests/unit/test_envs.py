@@ -12,7 +12,7 @@ from rapo_ray.agent.loop import AgentLoop
 from rapo_ray.core.errors import DataError
 from rapo_ray.envs import tasks as bundled
 from rapo_ray.envs.loaders import gsm8k_to_trajectory_text, load_examples
-from rapo_ray.envs.rewards import format_ok, math_equal, score, token_f1
+from rapo_ray.envs.rewards import exact_match, format_ok, math_equal, score, token_f1
 from rapo_ray.envs.suite import to_task
 from rapo_ray.envs.tools import LexicalIndex, PythonSandbox
 from rapo_ray.pipelines.expert import ScriptedExpertEngine
@@ -124,3 +124,30 @@ def test_loader_errors_name_file_row_field(tmp_path):
     (tmp_path / "x.csv").write_text("a,b\n")
     with pytest.raises(DataError, match="unsupported file type"):
         load_examples(tmp_path / "x.csv")
+
+
+def test_real_data_defects_found_with_held_out_files(tmp_path):
+    """The five defects issue #37 lists, each as a user's file or answer would meet it."""
+    # an empty or whitespace-only file is an error, not zero rows
+    for name, text in (("empty.jsonl", ""), ("blank.jsonl", "\n   \n\n")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(DataError, match=rf"{name} has no rows"):
+            load_examples(tmp_path / name)
+    # a row's number is its line's in every kind of error (blank lines counted), and ids keep the row order
+    f = tmp_path / "gaps.jsonl"
+    f.write_text('\n\n{"question": "q", "answer": "a"}\n\n{"problem": "q2"}\n{not json\n')
+    ex, rep = load_examples(f, skip_bad_rows=True)
+    assert ex[0].id == "gaps-0" and [e.split(": ")[1] for e in rep.errors] == ["row 4", "row 5"]
+    # an empty alias is refused: it would make an empty answer correct
+    (tmp_path / "alias.jsonl").write_text('{"question": "q", "answer": ["Paris", " "]}\n')
+    with pytest.raises(DataError, match=r"alias.jsonl: row 0: field 'answer': answer alias 1 is empty"):
+        load_examples(tmp_path / "alias.jsonl")
+    assert not exact_match("", [""]) and score("<answer>\\boxed{}</answer>", [""]).correct is False
+    # a gold answer that is only an article: the right letter scores 1, another article or nothing scores 0
+    right = score("<think>x</think><answer>\\boxed{A}</answer>", ["A"])
+    assert right.correct and right.reward == 1.0 and right.f1 == 1.0
+    assert not score("<think>x</think><answer>\\boxed{the}</answer>", ["A"]).correct
+    assert exact_match("The Paris", ["paris"]) == 1.0  # usual answers keep SQuAD's normalisation
+    # a unit in \text{} after the number is dropped; \text{} around words is read as the words
+    assert math_equal("70 \\text{ cm}", "70") and math_equal("\\boxed{70\\,\\mathrm{m}}", "70")
+    assert not math_equal("71 \\text{ cm}", "70") and math_equal("\\text{no solution}", "no solution")
