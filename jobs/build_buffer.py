@@ -28,7 +28,9 @@ def main(argv=None) -> int:
     from rapo_ray.retrieval.store import MilvusLiteServer
     from rapo_ray.training.trainer import rl_task_pool
 
-    started = init_ray(cfg)
+    owns_ray = not ray.is_initialized()  # disconnect at the end, also from a cluster (its Ray stays up)
+
+    init_ray(cfg)
     server = None
     try:
         model_dir = cfg.model.path or str(warm_start(cfg))
@@ -43,7 +45,7 @@ def main(argv=None) -> int:
     finally:
         if server is not None:
             server.stop()
-        if started:
+        if owns_ray:
             ray.shutdown()
     return 0
 

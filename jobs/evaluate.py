@@ -104,7 +104,8 @@ def main(argv=None) -> int:
         bundled = protocol.ASSISTANT in load_tokenizer(model_dir).get_vocab()
         cfg = replace(cfg, tasks=replace(cfg.tasks, system_prompt="short" if bundled else "paper"))
     datasets = load_datasets(cfg, dataset_specs(args.datasets), args.limit)
-    started = init_ray(cfg)
+    owns_ray = not ray.is_initialized()  # disconnect at the end, also from a cluster (its Ray stays up)
+    init_ray(cfg)
     fleet = None
     try:
         fleet = RolloutFleet(str(model_dir), cfg, None)
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
     finally:
         if fleet is not None:
             fleet.shutdown()
-        if started:
+        if owns_ray:
             ray.shutdown()
     print(format_table(results, f"checkpoint {model_dir} (greedy, no retrieval):"))
     out = (

@@ -311,11 +311,14 @@ def run(cfg: Config, log=print) -> dict:
     # new run's folder is made only once the cluster can host the run)
     run_dir = make_run_dir(cfg, create=False)
     resume = run_dir.latest_checkpoint(log) if cfg.checkpoint.resume else None
-    started_ray = init_ray(cfg)
+    # this run connects to Ray (or starts it) and so disconnects at its end, in the main thread, also as a submitted
+    # job's driver on a cluster (whose Ray stays up); a caller that had Ray initialized keeps it
+    owns_ray = not ray.is_initialized()
+    init_ray(cfg)
     try:
         check_resources(cfg, log)
     except BaseException:
-        if started_ray:
+        if owns_ray:
             ray.shutdown()
         raise
     if not cfg.checkpoint.resume:
@@ -412,5 +415,5 @@ def run(cfg: Config, log=print) -> dict:
             retrieval.close()
         if metrics is not None:
             metrics.close()
-        if started_ray:
+        if owns_ray:
             ray.shutdown()

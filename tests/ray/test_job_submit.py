@@ -66,8 +66,11 @@ def test_a_job_submitted_to_a_two_cpu_head_fits_itself_and_succeeds(two_cpu_head
     enable_token_auth_if_available()  # Ray 2.60 heads started here use token auth (README): send the token
     overrides = [
         *TINY_OVERRIDES,
-        "algo.name=grpo",
-        "algo.group_size=4",
+        "algo.group_size=4",  # RAPO, the default: the buffer build, the Serve retrieval app and hybrid slots too
+        "algo.rapo.n_hybrid=2",
+        "retrieval.buffer_samples_per_question=2",
+        "retrieval.buffer_keep_top_k=1",
+        "serve.min_replicas=1",
         "trainer.prompts_per_step=2",
         "trainer.total_steps=1",
         "trainer.eval_size=4",
