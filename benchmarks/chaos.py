@@ -38,6 +38,8 @@ import threading
 import time
 from pathlib import Path
 
+from rapo_ray.core.net import short_temp_dir
+
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("rollout_worker", "learner", "retrieval_replica", "serve_controller", "milvus", "driver")
 PHASES = ("rollout", "old_logprob", "update", "sync", "evaluation", "checkpoint")
@@ -259,7 +261,7 @@ def run_job(name: str, overrides: list[str], plan: list[dict], work: Path, log) 
     run_dir = work / "runs" / name
     before = set(_processes())
     # Ray's sockets live under RAY_TMPDIR, and a Unix socket path has at most 107 bytes: a short folder of its own
-    ray_tmp = Path(tempfile.mkdtemp(prefix="rapo_chaos_ray_"))
+    ray_tmp = Path(short_temp_dir("rapo_chaos_ray_"))
     t0 = time.time()
     attempts, remaining = 0, list(plan)
     while True:

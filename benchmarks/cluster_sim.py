@@ -20,13 +20,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
+from rapo_ray.core.net import free_port, short_temp_dir
+
 REPO = Path(__file__).resolve().parents[1]
-from rapo_ray.core.net import free_port  # noqa: E402
 
 ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -68,7 +68,7 @@ def _stop_pids(path: str) -> None:
 def _scenario_dir(prefix: str):
     """A temporary folder for one scenario's Ray session and artifacts. Every process started under it is stopped
     afterwards; the folder is removed after a scenario that succeeded and kept (Ray's logs) after one that failed."""
-    tmp = tempfile.mkdtemp(prefix=prefix)
+    tmp = short_temp_dir(prefix)  # Ray's sockets live under it
     try:
         yield tmp
     except BaseException:

@@ -7,14 +7,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 from rapo_ray.config import TINY_OVERRIDES
-from rapo_ray.core.net import free_port
+from rapo_ray.core.net import free_port, short_temp_dir
 from rapo_ray.launch.ray_reaper import reap
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 def two_cpu_head():
     """A Ray head started by ``ray start --head`` with 2 CPUs on 127.0.0.1 (its own temp folder and ports); every
     process of its session is ended afterwards (by that folder, never ``ray stop``: other Rays may be running)."""
-    temp = Path(tempfile.mkdtemp(prefix="rj", dir="/tmp"))  # short: Ray's socket paths live under it
+    temp = Path(short_temp_dir("rj"))  # Ray's socket paths live under it
     bin_dir = Path(sys.executable).parent
     env = os.environ | {
         "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
