@@ -167,8 +167,9 @@ class LearnerWorker(SyncMember):
         import torch.distributed as dist
 
         blocks = list(split.iter_batches(batch_size=None, batch_format="pyarrow"))
-        mine = LearnerBatch.from_arrow(pa.concat_tables(blocks)) if blocks else None
-        mb_of = pa.concat_tables(blocks).column("mb").to_numpy() if blocks else []
+        table = pa.concat_tables(blocks) if blocks else None
+        mine = LearnerBatch.from_arrow(table) if table is not None else None
+        mb_of = table.column("mb").to_numpy() if table is not None else []
         rows = [[i for i, k in enumerate(mb_of) if k == m] for m in range(len(denominators))]
         counts = torch.tensor([math.ceil(len(r) / micro) for r in rows], dtype=torch.long, device=self.device)
         if self.world > 1:

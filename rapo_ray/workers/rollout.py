@@ -142,7 +142,6 @@ class RolloutFleet:
 
     def __init__(self, model_dir: str, cfg, retrieval_app: str | None, on_new_workers=None):
         self.cfg, self.model_dir, self.retrieval_app = cfg, str(model_dir), retrieval_app
-
         self.cfg_dict = to_dict(cfg)
         rc = cfg.resources
         self.actor_cls = ray.remote(
