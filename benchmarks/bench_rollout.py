@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run_pair(cfg, model_dir, engine_name: str, schedule: str, batches: list, hybrid: int, retriever) -> dict:
     from rapo_ray.agent.loop import AgentLoop, LoopSettings
+    from rapo_ray.algos.rapo import HybridRollout
     from rapo_ray.engines import make_engine
     from rapo_ray.envs.suite import build_tools
     from rapo_ray.model.factory import load_model_and_tokenizer, load_tokenizer
@@ -41,9 +42,10 @@ def run_pair(cfg, model_dir, engine_name: str, schedule: str, batches: list, hyb
         for k, tasks in enumerate(batches):
             settings = LoopSettings.from_config(cfg)
             settings.schedule, settings.seed = schedule, k
-            loop = AgentLoop(engine, tok, tools, settings, retriever=retriever)
+            rollout = HybridRollout(hybrid, cfg.algo.rapo.retrieve_prob)
+            loop = AgentLoop(engine, tok, tools, settings, retriever=retriever, rollout=rollout)
             t0 = time.perf_counter()
-            trajs, stats = loop.run_groups(tasks, cfg.algo.group_size, n_hybrid=hybrid)
+            trajs, stats = loop.run_groups(tasks, cfg.algo.group_size)
             wall = time.perf_counter() - t0
             generated = sum(sum(t.loss_mask) for t in trajs)
             rows.append(

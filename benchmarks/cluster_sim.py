@@ -173,7 +173,7 @@ def autoscale(timeout: float) -> dict:
         report["scale_up_s"] = round(time.perf_counter() - t0, 1)
         report["workers_after_scale_up"] = workers
         report["nodes_after_scale_up"] = _alive_nodes(ray)
-        batch, stats = fleet.run_step(groups, group_size=cfg.algo.group_size, n_hybrid=0, seed=0)
+        batch, stats = fleet.run_step(groups, group_size=cfg.algo.group_size, seed=0)
         report["groups_done"] = len(set(batch.group_ids()))
         t0 = time.perf_counter()
         report["workers_after_scale_down"] = fleet.autoscale(backlog_groups=0)
@@ -247,9 +247,7 @@ def node_loss(timeout: float) -> dict:
             cluster.remove_node(target)  # the worker just received its groups: they are in flight
 
         t0 = time.perf_counter()
-        batch, stats = fleet.run_step(
-            groups, group_size=cfg.algo.group_size, n_hybrid=0, seed=0, on_dispatch=on_dispatch
-        )
+        batch, stats = fleet.run_step(groups, group_size=cfg.algo.group_size, seed=0, on_dispatch=on_dispatch)
         ids = batch.group_ids()
         report = {
             "step_s": round(time.perf_counter() - t0, 1),

@@ -132,7 +132,7 @@ def retrieved_wins(run_dir: Path) -> dict:
 
     from rapo_ray.config import load_config
     from rapo_ray.envs import tasks as bundled
-    from rapo_ray.model.factory import load_tokenizer
+    from rapo_ray.model.factory import load_tokenizer, resolve_model_dir
     from rapo_ray.pipelines.sft import warm_start_dir
 
     cfg = load_config(run_dir / "config.yaml", [])
@@ -145,7 +145,9 @@ def retrieved_wins(run_dir: Path) -> dict:
     if not expert:
         return {}
     checkpoints = sorted((run_dir / "checkpoints").glob("step-*"))
-    tok = load_tokenizer(checkpoints[-1] if checkpoints else (cfg.model.path or warm_start_dir(cfg)))
+    tok = load_tokenizer(
+        checkpoints[-1] if checkpoints else (warm_start_dir(cfg) if cfg.model.bundled else resolve_model_dir(cfg))
+    )
     cols = ["problem_id", "response_ids", "segments", "correct", "num_retrievals", "answer"]
     counts: dict[str, list[int]] = {}
     for f in sorted((run_dir / "trajectories").glob("step-*.parquet")):

@@ -22,9 +22,8 @@ def main(argv=None) -> int:
     cfg, _ = parse(__doc__, argv)
     import ray
 
-    from rapo_ray.launch.launcher import init_ray
+    from rapo_ray.launch.launcher import init_ray, starting_policy
     from rapo_ray.pipelines.buffer import build_buffer, manifest_path
-    from rapo_ray.pipelines.sft import warm_start
     from rapo_ray.retrieval.store import MilvusLiteServer
     from rapo_ray.training.trainer import rl_task_pool
 
@@ -33,7 +32,7 @@ def main(argv=None) -> int:
     init_ray(cfg)
     server = None
     try:
-        model_dir = cfg.model.path or str(warm_start(cfg))
+        model_dir = str(starting_policy(cfg))
         uri = cfg.retrieval.milvus_uri
         if not uri:
             server = MilvusLiteServer(Path(cfg.run.artifacts_dir) / "milvus")

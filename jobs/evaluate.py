@@ -113,7 +113,7 @@ def main(argv=None) -> int:
         for name, tasks in datasets.items():
             t0 = time.perf_counter()
             groups = [(f"eval-{name}-{i}", t) for i, t in enumerate(tasks)]
-            batch, _ = fleet.run_step(groups, 1, 0, seed=0, evaluation=True)
+            batch, _ = fleet.run_step(groups, 1, seed=0, evaluation=True)
             results[name] = family_result(batch.trajectories)
             timings[name] = round(time.perf_counter() - t0, 1)
             print(f"{name}: {len(tasks)} examples in {timings[name]} s", flush=True)

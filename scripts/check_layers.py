@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # Bottom to top. Folders on one line are one layer (they may import each other, but not in a circle).
 LAYERS: list[tuple[str, ...]] = [
     ("core",),  # errors, loopback networking, devices, metric reduction
-    ("algos",),  # the learning signal: pure torch, and the algorithm registry
-    ("config",),  # typed configuration (validates the algorithm through the registry)
     ("types",),  # tag protocol, trajectories, the environment protocol, the learner batch
+    ("algos",),  # the learning signal (pure torch), each algorithm's rollout hooks, the algorithm registry
+    ("config",),  # typed configuration (validates the algorithm through the registry)
     ("envs", "engines"),  # tasks, tools, rewards, data loaders | inference engines
     ("model", "agent"),  # model and tokenizer loading | the multi-turn agent loop and evaluation
     ("retrieval",),  # embedder, Milvus store, search indexes, the Serve retrieval deployment

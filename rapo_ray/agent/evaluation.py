@@ -54,7 +54,7 @@ def evaluate(
     out = {}
     for fam, tasks in tasks_by_family.items():
         tasks = tasks[:limit] if limit else tasks
-        trajs, _ = loop.run_groups(tasks, group_size=samples, n_hybrid=0)
+        trajs, _ = loop.run_groups(tasks, group_size=samples)
         out[fam] = family_result(trajs)
     return out
 

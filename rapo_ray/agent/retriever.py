@@ -17,8 +17,7 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
-from rapo_ray.algos.entropy import GENERATED
-from rapo_ray.types.trajectory import Trajectory
+from rapo_ray.types.trajectory import GENERATED, Trajectory
 
 
 @dataclass

@@ -12,6 +12,9 @@ import random
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from rapo_ray.algos.rollout import RolloutPolicy
+from rapo_ray.types.trajectory import GENERATED, ON_POLICY, Trajectory
+
 
 def normalized_segment_entropy(
     token_entropy: Sequence[float], first_k: int = 20, vocab_size: int | None = None
@@ -112,6 +115,54 @@ class EntropyBrancher:
     def decide(self, rollout_id, entropy_now: float) -> bool:
         delta = entropy_now - self.initial.get(rollout_id, entropy_now)
         return should_branch(delta, self.rng.random(), self.tau, self.beta)
+
+
+class BranchingRollout(RolloutPolicy):
+    """ARPO's rollout: each group starts ``initial`` trajectories; after every tool result a trajectory forks
+    (up to ``beam_size - 1`` times) with ``branch_probability`` of the entropy change of its latest step,
+    until the group holds ``group_size`` trajectories. Groups whose paths all end early are refilled with
+    full samples."""
+
+    def __init__(self, initial: int, beam_size: int = 2, tau: float = 0.5, beta: float = 0.2, entropy_tokens: int = 20):
+        self.initial, self.beam_size, self.tau, self.beta = initial, beam_size, tau, beta
+        self.entropy_tokens = entropy_tokens
+
+    def begin(self, group_ids, group_size, rng, vocab_size) -> RolloutPolicy:
+        budgets = {
+            gid: BranchBudget(total=group_size, initial=self.initial, beam_size=self.beam_size) for gid in group_ids
+        }
+        return _BranchingRun(self, budgets, EntropyBrancher(self.tau, self.beta, rng), vocab_size)
+
+    def initial_slots(self, group_size: int) -> list[str]:
+        return [ON_POLICY] * self.initial
+
+
+class _BranchingRun(BranchingRollout):
+    """The state of one ARPO rollout: each group's budget and the rollouts' initial entropies."""
+
+    def __init__(self, recipe: BranchingRollout, budgets: dict, brancher: EntropyBrancher, vocab_size: int):
+        super().__init__(recipe.initial, recipe.beam_size, recipe.tau, recipe.beta, recipe.entropy_tokens)
+        self.budgets, self.brancher, self.vocab_size = budgets, brancher, vocab_size
+
+    def after_tool(self, trajs: list[Trajectory], just_called: Sequence[int]) -> None:
+        # The entropy of the first k tokens of the step that followed the tool result, against the rollout's
+        # initial entropy (its first step's); a branch shares its root's initial entropy.
+        k = self.entropy_tokens
+        for i in just_called:
+            t = trajs[i]
+            if t.finished:
+                continue
+            steps = [(s, e) for kind, s, e in t.segments if kind == GENERATED]
+            key = (t.group_id, t.slot if t.parent is None else t.parent)
+            first = normalized_segment_entropy(t.token_entropies[steps[0][0] : steps[0][1]], k, self.vocab_size)
+            self.brancher.set_initial(key, first)
+            s, e = steps[-1]
+            now = normalized_segment_entropy(t.token_entropies[s:e], k, self.vocab_size)
+            for _ in self.budgets[t.group_id].allocate([i], lambda _i: self.brancher.decide(key, now)):
+                trajs.append(t.fork(slot=max(x.slot for x in trajs if x.group_id == t.group_id) + 1))
+
+    def refill(self, trajs: Sequence[Trajectory]) -> dict[str, int]:
+        return {gid: n for gid, budget in self.budgets.items() if (n := budget.fill_with_full_samples()) > 0}
 
 
 def shared_prefix_token_owner(

@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
+from rapo_ray.algos.arpo import BranchingRollout
 from rapo_ray.algos.group import grpo_group_advantages, rapo_group_advantages
+from rapo_ray.algos.rapo import HybridRollout, buffer_candidates
 from rapo_ray.algos.registry import Algorithm, register
 from rapo_ray.core.errors import ConfigError
 
 
-def _arpo_rollout_settings(algo_cfg) -> dict:
+def _arpo_rollout(algo_cfg) -> BranchingRollout:
     a = algo_cfg.arpo
-    return {
-        "arpo_initial": a.initial_rollouts,
-        "arpo_beam_size": a.beam_size,
-        "arpo_tau": a.branch_prob,
-        "arpo_beta": a.entropy_weight,
-        "arpo_entropy_tokens": a.entropy_tokens,
-    }
-
-
-def _rapo_hybrid_slots(algo_cfg) -> int:
-    return algo_cfg.rapo.n_hybrid
+    return BranchingRollout(a.initial_rollouts, a.beam_size, a.branch_prob, a.entropy_weight, a.entropy_tokens)
 
 
 def _arpo_validate(algo_cfg) -> None:
@@ -36,11 +28,9 @@ def _rapo_validate(algo_cfg) -> None:
         raise ConfigError(f"algo.rapo.retrieve_prob ({r.retrieve_prob}) must be in [0, 1]")
 
 
-def _rapo_rollout_settings(algo_cfg) -> dict:
-    return {
-        "retrieve_prob": algo_cfg.rapo.retrieve_prob,
-        "reward_retrieved_answers": algo_cfg.rapo.reward_retrieved_answers,
-    }
+def _rapo_rollout(algo_cfg) -> HybridRollout:
+    r = algo_cfg.rapo
+    return HybridRollout(r.n_hybrid, r.retrieve_prob, r.reward_retrieved_answers)
 
 
 GRPO = register(Algorithm("grpo", advantages=grpo_group_advantages))
@@ -49,7 +39,7 @@ ARPO = register(
     Algorithm(
         "arpo",
         advantages=grpo_group_advantages,
-        rollout_settings=_arpo_rollout_settings,
+        rollout=_arpo_rollout,
         validate=_arpo_validate,
         config_section="arpo",
     )
@@ -58,8 +48,8 @@ RAPO = register(
     Algorithm(
         "rapo",
         advantages=rapo_group_advantages,
-        hybrid_slots=_rapo_hybrid_slots,
-        rollout_settings=_rapo_rollout_settings,
+        rollout=_rapo_rollout,
+        buffer_candidates=buffer_candidates,
         validate=_rapo_validate,
         config_section="rapo",
     )

@@ -11,12 +11,7 @@ from typing import Sequence
 
 import torch
 
-GENERATED = "generated"
-TOOL_RESULT = "tool_result"
-RETRIEVED = "retrieved"
-SEGMENT_KINDS = (GENERATED, TOOL_RESULT, RETRIEVED)
-
-Segment = tuple[str, int, int]
+from rapo_ray.types.trajectory import GENERATED, SEGMENT_KINDS, Segment
 
 
 def token_entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,21 @@ class PolicyLossConfig:
             raise ValueError(f"dual_clip must be > 1 or None, got {self.dual_clip}")
 
 
+def target_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log pi(ids[:, t+1] | ids[:, :t+1]) for every position: the target's logit minus the row's logsumexp, which
+    keeps no full-vocabulary log_softmax alive (at a 152k vocabulary, one more copy of the logits).
+
+    Args:
+        logits: [B, L-1, V] float, the model's logits at positions 0..L-2.
+        ids: [B, L] the sequence (targets are ``ids[:, 1:]``).
+
+    Returns:
+        [B, L-1] log-probs.
+    """
+    target = logits.gather(-1, ids[:, 1:, None].to(logits.device))[..., 0]
+    return target - torch.logsumexp(logits, -1)
+
+
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kl_type: str) -> torch.Tensor:
     """Per-token KL estimate of pi_theta from pi_ref: k1 = log(pi/pi_ref); k3 = e^{-k1} + k1 - 1 (>= 0)."""
     log_ratio = logp - ref_logp

@@ -1,16 +1,52 @@
-"""RAPO: retrieval reward (Eq. 5-7), retrieval advantage (Eq. 9), combined advantage (Eq. 10) and
-retrieval importance shaping (Eq. 8). Equation numbers refer to ``shared/RAPO_SPEC.md`` section 3.
+"""RAPO: hybrid-policy rollout (spec Algorithm 1), retrieval reward (Eq. 5-7), retrieval advantage (Eq. 9),
+combined advantage (Eq. 10), retrieval importance shaping (Eq. 8) and on-policy buffer growth. Equation
+numbers refer to ``shared/RAPO_SPEC.md`` section 3.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
 from rapo_ray.algos.advantages import EPS, group_zscore
+from rapo_ray.algos.rollout import RolloutPolicy
+from rapo_ray.types.trajectory import HYBRID, ON_POLICY, Trajectory
+
+
+class HybridRollout(RolloutPolicy):
+    """Hybrid-policy rollout: the last ``n_hybrid`` slots of a group are hybrid. Before each policy step after
+    its first, a hybrid slot splices a retrieved step with probability ``retrieve_prob``.
+
+    ``reward_retrieved_answers=False`` zeroes the reward of a rollout whose answer was handed to it by a
+    retrieved step (``Trajectory.answer_retrieved``), so the policy is not paid for what the expert found.
+    """
+
+    def __init__(self, n_hybrid: int, retrieve_prob: float, reward_retrieved_answers: bool = True):
+        self.hybrid_slots = n_hybrid
+        self.retrieve_prob = retrieve_prob
+        self.reward_retrieved_answers = reward_retrieved_answers
+
+    def initial_slots(self, group_size: int) -> list[str]:
+        n = min(self.hybrid_slots, group_size)
+        return [ON_POLICY] * (group_size - n) + [HYBRID] * n
+
+    def wants_retrieval(self, t: Trajectory, rng: random.Random) -> bool:
+        # Never before the first policy step; the draw happens only for hybrid slots that could retrieve.
+        return t.slot_kind == HYBRID and t.num_generated_steps > 0 and rng.random() < self.retrieve_prob
+
+    def settle_reward(self, t: Trajectory) -> None:
+        if t.answer_retrieved and not self.reward_retrieved_answers:
+            t.reward = 0.0
+
+
+def buffer_candidates(trajs: Iterable[Trajectory], min_reward: float) -> list[Trajectory]:
+    """RAPO's optional buffer growth: the trajectories whose steps may join the step buffer. Only on-policy
+    rollouts that never retrieved and scored at least ``min_reward``, so the buffer never learns from itself."""
+    return [t for t in trajs if t.slot_kind != HYBRID and not t.num_retrievals and t.reward >= min_reward]
 
 
 @dataclass(frozen=True)

@@ -3,15 +3,16 @@
 - ``advantages(columns, algo_cfg) -> {"row", "advantage", "retrieval_reward", "shaping"}``: its group-wise
   estimator over ``rapo_ray.algos.group.ADVANTAGE_INPUTS`` columns (whole groups; per group or all at once
   give the same numbers, so it also runs per group in Ray Data);
-- ``hybrid_slots(algo_cfg) -> int``: hybrid-policy slots per group (RAPO), 0 for on-policy algorithms; a
-  run builds the retrieval service only when this is > 0;
-- ``rollout_settings(algo_cfg) -> dict``: agent-loop settings it sets for training rollouts (RAPO's retrieval
-  probability, ARPO's branching);
+- ``rollout(algo_cfg) -> RolloutPolicy``: its training rollout (rapo_ray/algos/rollout.py): hybrid slots and
+  retrieval (RAPO), branching (ARPO), or plain on-policy sampling; a run builds the retrieval service only
+  when its ``hybrid_slots`` is > 0;
+- ``buffer_candidates(trajectories, min_reward) -> list``: the trajectories of a step whose steps join the
+  step buffer when ``retrieval.insert_on_policy`` is on (RAPO), none for algorithms without a buffer;
 - ``validate(algo_cfg)``: checks of its own config section, run by ``Config.validate`` for the running algorithm
   only; it raises ``rapo_ray.core.errors.ConfigError`` naming the field;
 - ``config_section``: its nested config (``algo.rapo``, ``algo.arpo``), documented in ``--help``.
 
-A new algorithm is one module (its estimator) and one ``register`` call; the built-in three are in
+A new algorithm is one module (its estimator and hooks) and one ``register`` call; the built-in three are in
 rapo_ray/algos/builtin.py, which ``rapo_ray.algos`` imports, so the registry is full once the package is imported.
 """
 
@@ -20,15 +21,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from rapo_ray.algos.rollout import ON_POLICY_ROLLOUT, RolloutPolicy
 from rapo_ray.core.errors import ConfigError
 
 
-def _no_hybrid_slots(algo_cfg: Any) -> int:
-    return 0
+def _on_policy_rollout(algo_cfg: Any) -> RolloutPolicy:
+    return ON_POLICY_ROLLOUT
 
 
-def _no_rollout_settings(algo_cfg: Any) -> dict:
-    return {}
+def _no_buffer(trajectories: Any, min_reward: float) -> list:
+    return []
 
 
 def _no_checks(algo_cfg: Any) -> None:
@@ -39,8 +41,8 @@ def _no_checks(algo_cfg: Any) -> None:
 class Algorithm:
     name: str
     advantages: Callable[[dict, Any], dict]
-    hybrid_slots: Callable[[Any], int] = _no_hybrid_slots
-    rollout_settings: Callable[[Any], dict] = _no_rollout_settings
+    rollout: Callable[[Any], RolloutPolicy] = _on_policy_rollout
+    buffer_candidates: Callable[[Any, float], list] = _no_buffer
     validate: Callable[[Any], None] = _no_checks
     config_section: str | None = None
 

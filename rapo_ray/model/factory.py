@@ -17,6 +17,7 @@ import torch
 
 from rapo_ray.core.errors import ModelLoadError
 from rapo_ray.envs import tasks
+from rapo_ray.model.gguf import ensure_converted, packaged_gguf
 from rapo_ray.types import protocol
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -238,12 +239,17 @@ def ensure_bundled_model(cfg) -> Path:
     return path
 
 
-def resolve_model_dir(cfg) -> Path:
-    """The model folder a run starts from: ``model.path`` if set (must exist), else the bundled one."""
+def resolve_model_dir(cfg, log=print) -> Path:
+    """The model folder a run starts from: ``model.path`` (an HF folder, or a .gguf file converted once), the
+    converted ``model.preset``, else the bundled one."""
+    if cfg.model.preset:
+        return ensure_converted(packaged_gguf(cfg.model.preset), cfg.run.artifacts_dir, cfg.model.preset, log=log)
     if cfg.model.path:
-        p = Path(cfg.model.path)
+        p = Path(cfg.model.path).expanduser()
+        if p.suffix == ".gguf":
+            return ensure_converted(p, cfg.run.artifacts_dir, log=log)
         if not (p / "config.json").is_file():
-            raise ModelLoadError(f"model.path={p} is not an HF model folder (no config.json)")
+            raise ModelLoadError(f"model.path={p} is not an HF model folder (no config.json) or a .gguf file")
         return p
     return ensure_bundled_model(cfg)
 

@@ -21,6 +21,7 @@ import torch
 
 from rapo_ray.agent.loop import AgentLoop, LoopSettings
 from rapo_ray.agent.retriever import InMemoryStepRetriever, steps_of
+from rapo_ray.algos.rapo import HybridRollout
 from rapo_ray.core.devices import machine_record
 from rapo_ray.envs.suite import build_tools, task_difficulty, task_splits
 from rapo_ray.model.factory import load_model, load_tokenizer, resolve_model_dir, save_model
@@ -43,7 +44,7 @@ def expert_trajectories(
     """Expert rollouts through the real loop; with ``hybrid_fraction`` > 0 and a retriever, that share of
     them run as hybrid slots (retrieved blocks inserted, the expert continuing on its own)."""
     settings = LoopSettings.from_config(cfg, evaluation=True)
-    settings.retrieve_prob, settings.seed = 0.5, seed
+    settings.seed = seed
     loop = AgentLoop(
         ScriptedExpertEngine(tokenizer, error_rate=error_rate, seed=seed),
         tokenizer,
@@ -57,9 +58,10 @@ def expert_trajectories(
     plain = [t for t in tasks if t.id not in hybrid_ids]
     out: list[Trajectory] = []
     if plain:
-        out += loop.run_groups(plain, group_size=samples, n_hybrid=0)[0]
-    if hybrid:
-        out += loop.run_groups(hybrid, group_size=samples, n_hybrid=samples)[0]
+        out += loop.run_groups(plain, group_size=samples)[0]
+    if hybrid:  # the same loop (its RNG goes on), every slot hybrid, retrieving before half of its steps
+        loop.rollout = HybridRollout(n_hybrid=samples, retrieve_prob=0.5)
+        out += loop.run_groups(hybrid, group_size=samples)[0]
     return out
 
 

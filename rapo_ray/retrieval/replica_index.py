@@ -55,7 +55,23 @@ class ReplicaIndex:
                 index.add_rows(rows)
         finally:
             it.close()
+        index._order_rows_by_id()
         return index
+
+    def _order_rows_by_id(self) -> None:
+        """Renumber rows in id order. A search breaks score ties by row order, and Milvus's iterator returns rows
+        in no fixed order: without this, two replicas (or two runs) loading one collection could hand different
+        steps of equal score to the same query (RESULTS, The default run)."""
+        order = sorted(self._row_of, key=lambda i: i)
+        new_of_old = np.empty(self._n, dtype=np.int64)
+        for new, i in enumerate(order):
+            new_of_old[self._row_of[i]] = new
+        old_rows = np.argsort(new_of_old)
+        self._vectors[: self._n] = self._vectors[old_rows]
+        self._payload = [self._payload[r] for r in old_rows]
+        self._row_of = {i: int(new_of_old[r]) for i, r in self._row_of.items()}
+        self._rows_of_question = {q: {int(new_of_old[r]) for r in rows} for q, rows in self._rows_of_question.items()}
+        self._row_of_key = {k: int(new_of_old[r]) for k, r in self._row_of_key.items()}
 
     def add_rows(self, rows: Sequence[dict]) -> None:
         """Add collection rows (``store.step_rows`` output, or rows read back from Milvus)."""

@@ -31,7 +31,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
 from rapo_ray.agent.loop import AgentLoop, LoopSettings
-from rapo_ray.algos.entropy import GENERATED
 from rapo_ray.config import Config, from_dict, load_config, to_dict
 from rapo_ray.core.devices import pick_device, set_deterministic
 from rapo_ray.core.errors import ConfigError
@@ -59,7 +58,7 @@ from rapo_ray.serving.chat import (
     usage,
 )
 from rapo_ray.types import protocol
-from rapo_ray.types.trajectory import Task
+from rapo_ray.types.trajectory import GENERATED, Task
 
 api = FastAPI(title="rapo_ray agent", docs_url=None, redoc_url=None)
 
@@ -245,7 +244,6 @@ class AgentServer:
             max_response_tokens=req.max_tokens,
             max_step_tokens=min(sc.max_step_tokens, req.max_tokens),
             max_tool_calls=req.max_tool_calls,
-            retrieve_prob=0.0,
             seed=req.seed,
             system_prompt=self.system_prompt,
         )

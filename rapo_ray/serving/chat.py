@@ -14,8 +14,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from rapo_ray.agent.loop import AgentLoop
-from rapo_ray.algos.entropy import GENERATED, RETRIEVED, TOOL_RESULT
 from rapo_ray.types import protocol
+from rapo_ray.types.trajectory import GENERATED, RETRIEVED, TOOL_RESULT
 
 ROLES = ("system", "user", "assistant")
 _ANSWER = re.compile(re.escape(protocol.ANSWER[0]) + r"(.*?)" + re.escape(protocol.ANSWER[1]), re.S)

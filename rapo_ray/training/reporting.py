@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from rapo_ray.agent.evaluation import paired_change
 from rapo_ray.config import Config
 from rapo_ray.envs.suite import family_of
@@ -59,12 +61,33 @@ def step_metrics(
         "workers": workers,
         **{f"update/{k}": v for k, v in update_stats.items()},
     }
+    m.update(logprob_gap(batch))
     m["step_s"] = seconds["step_s"]
     m["tokens_per_s"] = gen_tokens / max(seconds["rollout_s"], 1e-9)
     # learner throughput: every sequence token goes through forward and backward once per PPO epoch
     seq_tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
     m["learner_tokens_per_s"] = seq_tokens * ppo_epochs / max(seconds["update_s"], 1e-9)
     return m
+
+
+def logprob_gap(batch: TrajectoryBatch) -> dict:
+    """How far the engine's log-probs of the tokens it sampled are from the learner's old-policy log-probs of the
+    same tokens: |log pi_engine - log pi_learner| over every generated token, mean and max. Both are the same
+    policy, so the gap is numerical (kernels, dtype, batching); a large one means the importance ratios of the
+    update are biased, the classic silent bug of RL stacks. Empty without the old-policy pass."""
+    lb = batch.learner
+    if lb is None or lb.old_logprobs is None:
+        return {}
+    gaps = []
+    for i, t in enumerate(batch.trajectories):
+        s, e = lb.response_span(i)
+        generated = lb.loss_mask[i, s:e].bool()
+        engine = torch.tensor(t.logprobs, dtype=torch.float32)[generated]
+        gaps.append((engine - lb.old_logprobs[i, s:e][generated].float()).abs())
+    gap = torch.cat(gaps) if gaps else torch.zeros(0)
+    if not gap.numel():
+        return {"logprob_gap_mean": 0.0, "logprob_gap_max": 0.0}
+    return {"logprob_gap_mean": float(gap.mean()), "logprob_gap_max": float(gap.max())}
 
 
 def write_trajectories(directory: Path, step: int, batch: TrajectoryBatch) -> None:

@@ -25,6 +25,7 @@ from rapo_ray.algos.registry import get_algorithm
 from rapo_ray.config import Config
 from rapo_ray.core.errors import WORKER_DIED
 from rapo_ray.core.metrics import RunMetrics
+from rapo_ray.envs.loaders import source_name
 from rapo_ray.envs.suite import family_of, task_difficulty, task_splits
 from rapo_ray.model.factory import load_tokenizer
 from rapo_ray.pipelines.sft import sft_span
@@ -32,7 +33,6 @@ from rapo_ray.training.checkpoints import problem, write_manifest
 from rapo_ray.training.data_flow import compute_advantages
 from rapo_ray.training.reporting import step_metrics, write_trajectories
 from rapo_ray.types.batch import TrajectoryBatch
-from rapo_ray.types.trajectory import HYBRID
 from rapo_ray.workers.learner import LearnerGroup
 from rapo_ray.workers.rollout import RolloutFleet
 from rapo_ray.workers.sync import WeightSync
@@ -84,9 +84,8 @@ class Trainer:
         if cfg.rollout.autoscale:
             self.fleet.autoscale(len(groups), cfg.rollout.groups_per_worker)
         t0 = time.perf_counter()
-        n_hybrid = self.algorithm.hybrid_slots(cfg.algo)
         batch, rollout_stats = self.fleet.run_step(
-            groups, cfg.algo.group_size, n_hybrid, seed=cfg.trainer.seed * 7919 + self.step_idx
+            groups, cfg.algo.group_size, seed=cfg.trainer.seed * 7919 + self.step_idx
         )
         seconds["rollout_s"] = time.perf_counter() - t0
         check_staleness(batch, self.version, cfg.algo)
@@ -141,15 +140,12 @@ class Trainer:
         return out
 
     def _insert_on_policy(self, batch: TrajectoryBatch) -> int:
-        """RAPO's optional buffer growth: steps of successful on-policy trajectories go into the buffer. Returns
-        how many were stored, -1 when the service failed (counted as ``insert_errors``)."""
+        """Optional buffer growth: the steps of the trajectories that the algorithm picks (RAPO: successful
+        on-policy ones) go into the buffer. Returns how many were stored, -1 when the service failed (counted
+        as ``insert_errors``)."""
         from ray import serve
 
-        good = [
-            t
-            for t in batch
-            if t.slot_kind != HYBRID and not t.num_retrievals and t.reward >= self.cfg.retrieval.insert_min_reward
-        ]
+        good = self.algorithm.buffer_candidates(batch, self.cfg.retrieval.insert_min_reward)
         steps = [asdict(st) for t in good for st in steps_of(self.tok, t, source="on_policy")]
         if not steps:
             return 0
@@ -182,7 +178,7 @@ class Trainer:
         """Greedy pass@1 on the held-out tasks (first ``limit`` per family; default ``trainer.eval_size``)."""
         limit = limit or self.cfg.trainer.eval_size
         groups = [(f"eval-{t.id}", t) for ts in self.test_tasks.values() for t in ts[:limit]]
-        batch, _ = self.fleet.run_step(groups, 1, 0, seed=0, evaluation=True)
+        batch, _ = self.fleet.run_step(groups, 1, seed=0, evaluation=True)
         metrics: dict[str, float] = {}
         for fam in self.test_tasks:
             result = family_result([t for t in batch if family_of(t.problem_id) == fam])
@@ -273,12 +269,16 @@ def check_staleness(batch: TrajectoryBatch, version: int, algo_cfg) -> None:
 
 
 def rl_task_pool(cfg: Config) -> tuple[dict, dict]:
-    """RL questions per family (after the warm-start demos) and the held-out test tasks."""
+    """RL questions per family (after the warm-start or cold-start demos) and the held-out test tasks."""
     train, test = task_splits(cfg.tasks)
     n0 = sft_span(cfg)
     pool = {}
+    cold = {source_name(Path(cfg.cold_start.file))} if cfg.cold_start.examples else set()  # its head is demos
     for fam, ts in train.items():
-        later = ts[n0:] or ts  # real data files have no warm-start head
+        if fam in cfg.tasks.families:
+            later = ts[n0:]
+        else:  # a real data file: after the cold start's head when it drew from this file
+            later = ts[cfg.cold_start.examples :] if fam in cold else ts
         if cfg.tasks.difficulty and fam in cfg.tasks.families:
             later = [t for t in later if task_difficulty(t) == cfg.tasks.difficulty]
         pool[fam] = later[: cfg.trainer.rl_questions]

@@ -9,8 +9,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from rapo_ray.algos.entropy import GENERATED, RETRIEVED, TOOL_RESULT
+# Segment kinds of a response (``Trajectory.segments`` rows are ``(kind, start, end)``, ``end`` exclusive).
+GENERATED = "generated"
+TOOL_RESULT = "tool_result"
+RETRIEVED = "retrieved"
+SEGMENT_KINDS = (GENERATED, TOOL_RESULT, RETRIEVED)
+Segment = tuple[str, int, int]
 
+# Slot kinds: sampled by the policy alone, allowed to splice retrieved steps (RAPO), forked from a parent (ARPO).
 ON_POLICY, HYBRID, BRANCH = "on_policy", "hybrid", "branch"
 
 

@@ -26,7 +26,7 @@ import ray
 import torch
 
 from rapo_ray.algos.entropy import token_entropy_from_logits
-from rapo_ray.algos.loss import PolicyLossConfig, aggregation_denominator, policy_loss
+from rapo_ray.algos.loss import PolicyLossConfig, aggregation_denominator, policy_loss, target_logprobs
 from rapo_ray.config import Config, from_dict, to_dict
 from rapo_ray.core.devices import mixed_precision_policy, pick_device, set_deterministic, shard_model
 from rapo_ray.core.errors import LearnerLost
@@ -134,12 +134,6 @@ class LearnerWorker(SyncMember):
             logits = model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device)).logits
         return logits[:, :-1].float()
 
-    def _target_logprobs(self, logits, ids):
-        """[B, L-1] log-prob of each next token under ``logits``: the target's logit minus the row's logsumexp,
-        which keeps no full-vocabulary log_softmax alive (at a 152k vocabulary, one more copy of the logits)."""
-        target = logits.gather(-1, ids[:, 1:, None].to(self.device))[..., 0]
-        return target - torch.logsumexp(logits, -1)
-
     @torch.no_grad()
     def forward_old(self, micro_batches: list[LearnerBatch]) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per micro-batch: (log-probs, entropies) of its response targets under the current (= old) policy, each
@@ -150,7 +144,7 @@ class LearnerWorker(SyncMember):
             ids = mb.long_ids()
             logits = self._logits(ids, mb.attention_mask)
             resp = mb.response_mask.to(self.device) > 0
-            logp = torch.where(resp, self._target_logprobs(logits, ids), 0.0)
+            logp = torch.where(resp, target_logprobs(logits, ids), 0.0)
             ent = torch.where(resp, token_entropy_from_logits(logits), 0.0)
             out.append((logp.cpu().numpy(), ent.cpu().numpy()))
         return out
@@ -198,8 +192,8 @@ class LearnerWorker(SyncMember):
                 ref_logp = None
                 if self.ref_model is not None:  # the KL penalty's reference log-probs (no gradient)
                     with torch.no_grad():
-                        ref_logp = self._target_logprobs(self._logits(ids, attn, self.ref_model), ids)
-                logp = self._target_logprobs(self._logits(ids, attn), ids)
+                        ref_logp = target_logprobs(self._logits(ids, attn, self.ref_model), ids)
+                logp = target_logprobs(self._logits(ids, attn), ids)
                 loss, m = policy_loss(
                     logp,
                     mb.old_logprobs.to(self.device),

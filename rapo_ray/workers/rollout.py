@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import ray
 
 from rapo_ray.agent.loop import AgentLoop, LoopSettings
+from rapo_ray.algos.registry import get_algorithm
+from rapo_ray.algos.rollout import ON_POLICY_ROLLOUT
 from rapo_ray.config import from_dict, to_dict
 from rapo_ray.core.devices import pick_device, set_deterministic
 from rapo_ray.core.errors import WORKER_DIED
@@ -64,6 +66,7 @@ class RolloutWorker(SyncMember):
                 max_chars=cfg.retrieval.query_max_chars,
                 timeout_s=cfg.retrieval.timeout_s,
             )
+        self.train_rollout = get_algorithm(cfg.algo.name).rollout(cfg.algo)
         self.train_settings = LoopSettings.from_config(cfg)
         self.eval_settings = LoopSettings.from_config(cfg, evaluation=True)
         self.train_settings.max_context = self.eval_settings.max_context = max_context
@@ -79,17 +82,23 @@ class RolloutWorker(SyncMember):
             "node_id": ray.get_runtime_context().get_node_id(),
         }
 
-    def rollout(self, groups: list[tuple], group_size: int, n_hybrid: int, seed: int, evaluation: bool = False) -> dict:
-        """``groups``: (group_id, Task) pairs. Returns the trajectories as a ``TrajectoryBatch`` and timing stats."""
+    def rollout(self, groups: list[tuple], group_size: int, seed: int, evaluation: bool = False) -> dict:
+        """``groups``: (group_id, Task) pairs. Training rollouts follow the algorithm's rollout policy, evaluation
+        ones sample on-policy. Returns the trajectories as a ``TrajectoryBatch`` and timing stats."""
         import copy
 
         settings = copy.copy(self.eval_settings if evaluation else self.train_settings)
         settings.seed = seed
         loop = self.loop_cls(
-            self.engine, self.tok, self.tools, settings, retriever=None if evaluation else self.retriever
+            self.engine,
+            self.tok,
+            self.tools,
+            settings,
+            retriever=None if evaluation else self.retriever,
+            rollout=ON_POLICY_ROLLOUT if evaluation else self.train_rollout,
         )
         t0 = time.perf_counter()
-        trajs, stats = loop.run_groups([t for _, t in groups], group_size, n_hybrid, group_ids=[g for g, _ in groups])
+        trajs, stats = loop.run_groups([t for _, t in groups], group_size, group_ids=[g for g, _ in groups])
         timings = {"generate_s": stats.generate_s, "tool_s": stats.tool_s, "retrieve_s": stats.retrieve_s}
         return {
             "batch": TrajectoryBatch(trajs),
@@ -230,7 +239,7 @@ class RolloutFleet:
     # ------------------------------------------------------------ work
 
     def run_step(
-        self, groups: list[tuple], group_size: int, n_hybrid: int, seed: int, evaluation: bool = False, on_dispatch=None
+        self, groups: list[tuple], group_size: int, seed: int, evaluation: bool = False, on_dispatch=None
     ) -> tuple[TrajectoryBatch, dict]:
         """Roll out every group once. A dead worker's unfinished groups go back to the queue and the worker
         is replaced. Returns the step's batch, ordered by (group, slot), and per-step stats: the workers'
@@ -249,7 +258,7 @@ class RolloutFleet:
                     break
                 take, queue = queue[:chunk], queue[chunk:]
                 gseed = (seed * 1_000_003 + sum(zlib.crc32(str(g).encode()) for g, _ in take)) % (2**31)
-                ref = self.workers[wid].rollout.remote(take, group_size, n_hybrid, gseed, evaluation)
+                ref = self.workers[wid].rollout.remote(take, group_size, gseed, evaluation)
                 inflight[ref] = (wid, take)
                 if on_dispatch:
                     on_dispatch(wid, take)

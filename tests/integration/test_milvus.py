@@ -296,3 +296,19 @@ def test_search_tool_over_milvus_for_the_bundled_corpus(tmp_path, tiny_cfg):
         assert res.ok and docs[0] in res.text.split("\n")
     finally:
         tools.close()
+
+
+def test_equal_scores_are_broken_by_row_id_whatever_order_the_rows_were_loaded_in():
+    from rapo_ray.retrieval.replica_index import ReplicaIndex
+
+    ids = [f"s{i}" for i in range(6)]
+    vec = np.tile(np.eye(1, 4, dtype=np.float32), (6, 1))  # every row scores the same
+    payloads = [(f"value {i}", "[]", 1.0, f"q{i % 2}") for i in range(6)]
+    results = []
+    for order in ([0, 1, 2, 3, 4, 5], [5, 3, 1, 4, 0, 2]):
+        index = ReplicaIndex(4)
+        index.add([ids[i] for i in order], vec[order], [payloads[i] for i in order])
+        index._order_rows_by_id()
+        hits = index.search(vec[:1], top_k=3, question_filter=[("own", "q1")])[0]
+        results.append([h.value for h in index.search(vec[:1], top_k=4)[0]] + [h.value for h in hits])
+    assert results[0] == results[1] == ["value 0", "value 1", "value 2", "value 3", "value 1", "value 3", "value 5"]

@@ -99,7 +99,7 @@ def test_killed_worker_loses_no_group(ray_session, fleet_cfg, tiny_model_dir):
                 ray.kill(fleet.workers[wid])
 
         groups = _groups(6)
-        batch, stats = fleet.run_step(groups, group_size=2, n_hybrid=0, seed=1, on_dispatch=kill_first)
+        batch, stats = fleet.run_step(groups, group_size=2, seed=1, on_dispatch=kill_first)
         assert killed and stats["requeued_groups"] >= 1 and stats["replaced_workers"] == 1
         ids = [(t.group_id, t.slot) for t in batch]
         assert sorted(ids) == sorted((g, s) for g, _ in groups for s in range(2))  # every group once, each slot once
@@ -137,7 +137,7 @@ def test_scale_up_down_and_weight_sync(sync_parts):
     assert half.last["bytes"] < sync.last["bytes"] * 0.55  # half the bytes of fp32 (plus alignment)
     fleet.scale(1)
     assert len(fleet.workers) == 1
-    batch, _ = fleet.run_step(_groups(2), 2, 0, seed=0)
+    batch, _ = fleet.run_step(_groups(2), 2, seed=0)
     assert len(batch) == 4 and {t.policy_version for t in batch} == {5}
     assert fleet.autoscale(backlog_groups=5, groups_per_worker=2) == 3  # ceil(5/2) capped by max_workers
     assert fleet.autoscale(backlog_groups=0) == 1
@@ -172,7 +172,7 @@ def test_a_worker_that_dies_outside_a_rollout_is_replaced_at_the_weight_push(syn
     sync.reset()  # a new group is due (as after a failed push): a dead worker is found before the group forms
     _kill(fleet.handles()[1])
     assert push(4) == (1, 1) and len(fleet.workers) == 2 and len(pings) == 3
-    batch, _ = fleet.run_step(_groups(2), 2, 0, seed=0)
+    batch, _ = fleet.run_step(_groups(2), 2, seed=0)
     assert len(batch) == 4
     assert sum(e.kind == "replaced" for e in fleet.events) == 2
 

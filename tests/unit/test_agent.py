@@ -7,14 +7,16 @@ import random
 
 import pytest
 
-from rapo_ray.agent.loop import AgentLoop, LoopSettings, answer_handed
+from rapo_ray.agent.loop import AgentLoop, LoopSettings
 from rapo_ray.agent.retriever import InMemoryStepRetriever, StoredStep, steps_of
-from rapo_ray.algos.entropy import GENERATED, RETRIEVED, TOOL_RESULT
+from rapo_ray.agent.turns import answer_handed
+from rapo_ray.algos.arpo import BranchingRollout
+from rapo_ray.algos.rapo import HybridRollout
 from rapo_ray.engines.base import GenerationResult, InferenceEngine
 from rapo_ray.envs.suite import task_splits
 from rapo_ray.pipelines.expert import ScriptedExpertEngine
 from rapo_ray.types import protocol
-from rapo_ray.types.trajectory import Task
+from rapo_ray.types.trajectory import GENERATED, RETRIEVED, TOOL_RESULT, Task
 from tests.helpers import settings
 
 SCHEDULES = pytest.mark.parametrize("schedule", ["lockstep", "per_trajectory"])
@@ -153,10 +155,11 @@ def test_hybrid_rollout_invariants(tiny_cfg, tiny_tokenizer, tools, schedule):
         ScriptedExpertEngine(tiny_tokenizer),
         tiny_tokenizer,
         tools,
-        settings(retrieve_prob=1.0, schedule=schedule),
+        settings(schedule=schedule),
         retriever=retriever,
+        rollout=HybridRollout(n_hybrid=2, retrieve_prob=1.0),
     )
-    trajs, _ = loop.run_groups(test["multihop"][:3], group_size=4, n_hybrid=2)
+    trajs, _ = loop.run_groups(test["multihop"][:3], group_size=4)
     for t in trajs:
         kinds = [k for k, _, _ in t.segments]
         if t.slot < 2:
@@ -197,10 +200,11 @@ def test_a_query_is_the_tail_of_question_and_history_that_the_config_names(tiny_
         ScriptedExpertEngine(tiny_tokenizer),
         tiny_tokenizer,
         tools,
-        settings(retrieve_prob=1.0, schedule=schedule, query_max_chars=40),
+        settings(schedule=schedule, query_max_chars=40),
         retriever=recording,
+        rollout=HybridRollout(n_hybrid=1, retrieve_prob=1.0),
     )
-    trajs, _ = loop.run_groups(tasks, group_size=2, n_hybrid=1)
+    trajs, _ = loop.run_groups(tasks, group_size=2)
     assert recording.queries and all(len(q) == 40 for q in recording.queries)
     full = [
         t.question + tiny_tokenizer.decode(t.response_ids[:s], skip_special_tokens=False)
@@ -222,10 +226,11 @@ def test_retrieved_text_earns_no_reward(tiny_tokenizer, tools):
         ScriptEngine(tiny_tokenizer, steps),
         tiny_tokenizer,
         tools,
-        settings(retrieve_prob=1.0),
+        settings(),
         retriever=InMemoryStepRetriever([answer_leak]),
+        rollout=HybridRollout(n_hybrid=1, retrieve_prob=1.0),
     )
-    (t,), _ = loop.run_groups([Task("q", "Q?", ("42",), "math")], 1, n_hybrid=1)
+    (t,), _ = loop.run_groups([Task("q", "Q?", ("42",), "math")], 1)
     assert t.num_retrievals == 1 and t.reward == -1.0 and not t.correct
 
 
@@ -253,10 +258,11 @@ def test_an_answer_from_a_retrieved_step_is_flagged_and_optionally_unpaid(
         ScriptEngine(tiny_tokenizer, [own, answer]),
         tiny_tokenizer,
         tools,
-        settings(retrieve_prob=1.0, reward_retrieved_answers=reward_retrieved_answers),
+        settings(),
         retriever=InMemoryStepRetriever([step]),
+        rollout=HybridRollout(n_hybrid=1, retrieve_prob=1.0, reward_retrieved_answers=reward_retrieved_answers),
     )
-    (t,), _ = loop.run_groups([Task("q", "Who is the rival of Pamisi?", ("Gavefu",))], 1, n_hybrid=1)
+    (t,), _ = loop.run_groups([Task("q", "Who is the rival of Pamisi?", ("Gavefu",))], 1)
     assert t.num_retrievals == 1 and t.correct and t.answer_retrieved
     assert t.reward == (1.0 if reward_retrieved_answers else 0.0)
     # the same answer after its own call showed it: not handed, paid in full
@@ -265,10 +271,11 @@ def test_an_answer_from_a_retrieved_step_is_flagged_and_optionally_unpaid(
         ScriptEngine(tiny_tokenizer, [found, answer]),
         tiny_tokenizer,
         tools,
-        settings(retrieve_prob=1.0, reward_retrieved_answers=reward_retrieved_answers),
+        settings(),
         retriever=InMemoryStepRetriever([step]),
+        rollout=HybridRollout(n_hybrid=1, retrieve_prob=1.0, reward_retrieved_answers=reward_retrieved_answers),
     )
-    (t,), _ = loop.run_groups([Task("q", "Who is the rival of Pamisi?", ("Gavefu",))], 1, n_hybrid=1)
+    (t,), _ = loop.run_groups([Task("q", "Who is the rival of Pamisi?", ("Gavefu",))], 1)
     assert t.num_retrievals == 1 and t.correct and not t.answer_retrieved and t.reward == 1.0
 
 
@@ -278,10 +285,11 @@ def test_empty_buffer_falls_back_and_counts(tiny_cfg, tiny_tokenizer, tools):
         ScriptedExpertEngine(tiny_tokenizer),
         tiny_tokenizer,
         tools,
-        settings(retrieve_prob=1.0),
+        settings(),
         retriever=InMemoryStepRetriever([]),
+        rollout=HybridRollout(n_hybrid=2, retrieve_prob=1.0),
     )
-    trajs, _ = loop.run_groups(test["arith"][:2], group_size=2, n_hybrid=2)
+    trajs, _ = loop.run_groups(test["arith"][:2], group_size=2)
     assert all(t.num_retrievals == 0 and t.retrieval_fallbacks >= 1 and t.correct for t in trajs)
 
 
@@ -304,10 +312,11 @@ def test_a_failed_retrieval_degrades_the_slot_and_is_counted(tiny_cfg, tiny_toke
         ScriptedExpertEngine(tiny_tokenizer),
         tiny_tokenizer,
         tools,
-        settings(retrieve_prob=1.0, schedule=schedule),
+        settings(schedule=schedule),
         retriever=DownRetriever(),
+        rollout=HybridRollout(n_hybrid=1, retrieve_prob=1.0),
     )
-    trajs, _ = loop.run_groups(test["arith"][:2], group_size=2, n_hybrid=1)
+    trajs, _ = loop.run_groups(test["arith"][:2], group_size=2)
     hybrid = [t for t in trajs if t.slot_kind == "hybrid"]
     assert DownRetriever.calls >= 1 and all(t.finished and t.correct for t in trajs)
     assert all(t.num_retrievals == 0 and t.retrieval_errors >= 1 and t.retrieval_fallbacks == 0 for t in hybrid)
@@ -351,11 +360,12 @@ def test_fuzz_random_token_streams_never_crash(tiny_tokenizer, tools):
             eng,
             tiny_tokenizer,
             tools,
-            settings(retrieve_prob=0.5, max_response_tokens=120, max_step_tokens=30),
+            settings(max_response_tokens=120, max_step_tokens=30),
             retriever=retriever,
+            rollout=HybridRollout(n_hybrid=1, retrieve_prob=0.5),
         )
         tasks = [Task(f"q{i}", "What?", ("1",)) for i in range(4)]
-        trajs, _ = loop.run_groups(tasks, group_size=2, n_hybrid=1)
+        trajs, _ = loop.run_groups(tasks, group_size=2)
         for t in trajs:
             assert t.finished and len(t.response_ids) <= 120
             assert len(t.response_ids) == len(t.loss_mask) == len(t.logprobs) == len(t.token_entropies)
@@ -384,8 +394,10 @@ def test_steps_of_excludes_answer_steps(tiny_cfg, tiny_tokenizer, tools):
 @SCHEDULES
 def test_arpo_branching_fills_group(tiny_cfg, tiny_tokenizer, tools, schedule):
     _, test = task_splits(tiny_cfg.tasks)
-    s = settings(arpo_initial=2, arpo_beam_size=2, arpo_tau=1.0, arpo_beta=0.0, schedule=schedule)  # always branch
-    loop = AgentLoop(ScriptedExpertEngine(tiny_tokenizer), tiny_tokenizer, tools, s)
+    always = BranchingRollout(initial=2, beam_size=2, tau=1.0, beta=0.0)  # always branch
+    loop = AgentLoop(
+        ScriptedExpertEngine(tiny_tokenizer), tiny_tokenizer, tools, settings(schedule=schedule), rollout=always
+    )
     trajs, _ = loop.run_groups(test["multihop"][:2], group_size=5)
     for gid in {t.group_id for t in trajs}:
         group = [t for t in trajs if t.group_id == gid]

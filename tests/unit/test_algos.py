@@ -16,7 +16,7 @@ from rapo_ray.algos.arpo import (
     should_branch,
 )
 from rapo_ray.algos.entropy import step_entropies, token_entropy_from_logits
-from rapo_ray.algos.loss import AGG_MODES, PolicyLossConfig, aggregation_denominator, policy_loss
+from rapo_ray.algos.loss import AGG_MODES, PolicyLossConfig, aggregation_denominator, policy_loss, target_logprobs
 from rapo_ray.algos.rapo import (
     RetrievalRewardSwitches,
     importance_shaping_factor,
@@ -348,3 +348,10 @@ def test_group_advantages_rapo_by_hand_and_per_group_equals_whole_batch():
         for idx in ([0, 1], [2, 3])
     ]
     assert [x for p in parts for x in p["advantage"]] == pytest.approx(out["advantage"])
+
+
+def test_target_logprobs_by_hand():
+    """Vocabulary of 2, logits (0, ln 3) at both positions: p = (1/4, 3/4); targets are ids[:, 1:] = (1, 0)."""
+    logits = torch.tensor([[[0.0, math.log(3.0)], [0.0, math.log(3.0)]]])
+    got = target_logprobs(logits, torch.tensor([[0, 1, 0]]))
+    assert got[0].tolist() == pytest.approx([math.log(0.75), math.log(0.25)])

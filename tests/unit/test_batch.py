@@ -7,10 +7,9 @@ import pickle
 import pytest
 import torch
 
-from rapo_ray.algos.entropy import GENERATED, RETRIEVED, TOOL_RESULT
 from rapo_ray.types.batch import PARQUET_COLUMNS, TrajectoryBatch
 from rapo_ray.types.learner_batch import LearnerBatch
-from rapo_ray.types.trajectory import Retrieval, Trajectory
+from rapo_ray.types.trajectory import GENERATED, RETRIEVED, TOOL_RESULT, Retrieval, Trajectory
 
 
 def _traj(i: int, n_resp: int, group: str = "g") -> Trajectory:
@@ -158,3 +157,20 @@ def test_length_sorted_micro_batches_per_rank_with_the_same_count_on_every_rank(
         [[1], [3], [5], []],
     ]
     assert micro_batch_rows([], world=2, micro=4, length_sorted=True) == [[[]], [[]]]
+
+
+def test_logprob_gap_between_engine_and_learner_by_hand():
+    """Only generated tokens count: row 0 has 2 generated (engine -0.5 each) and 2 tool-result tokens."""
+    from rapo_ray.training.reporting import logprob_gap
+
+    b = TrajectoryBatch([_traj(0, 4), _traj(1, 5)])
+    assert logprob_gap(b) == {}  # no old-policy pass yet
+    b.learner = LearnerBatch.from_trajectories(b.trajectories, pad_id=0)
+    lp = torch.full(b.learner.loss_mask.shape, -9.0)  # outside generated targets: ignored however wrong
+    lp[0, 2:4] = torch.tensor([-0.5, -0.7])  # row 0's generated targets: gaps 0, 0.2
+    lp[1, 2:5] = torch.tensor([-0.4, -0.5, -1.5])  # row 1's: gaps 0.1, 0, 1.0
+    b.learner.old_logprobs = lp
+    gap = logprob_gap(b)
+    assert gap["logprob_gap_mean"] == pytest.approx((0.2 + 0.1 + 1.0) / 5) and gap["logprob_gap_max"] == pytest.approx(
+        1.0
+    )

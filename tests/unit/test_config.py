@@ -168,17 +168,16 @@ def test_each_section_checks_its_own_fields():
 
 
 def test_registry_holds_every_algorithm_and_its_hooks():
-    from rapo_ray.agent.loop import LoopSettings
     from rapo_ray.algos.registry import Algorithm, algorithm_names, get_algorithm, register
     from rapo_ray.config import BUNDLED_FAMILIES
     from rapo_ray.envs.tasks import TASK_FAMILIES
 
     assert algorithm_names() == ["arpo", "grpo", "rapo"] and sorted(TASK_FAMILIES) == sorted(BUNDLED_FAMILIES)
     cfg = load_config(overrides=["algo.rapo.n_hybrid=5", "algo.arpo.initial_rollouts=6"])
-    assert [get_algorithm(n).hybrid_slots(cfg.algo) for n in ("grpo", "arpo", "rapo")] == [0, 0, 5]
-    arpo = LoopSettings.from_config(load_config(overrides=["algo.name=arpo", "algo.arpo.initial_rollouts=6"]))
-    assert arpo.arpo_initial == 6 and LoopSettings.from_config(cfg).arpo_initial is None
-    assert LoopSettings.from_config(load_config(overrides=["algo.name=arpo"]), evaluation=True).arpo_initial is None
+    rollouts = [get_algorithm(n).rollout(cfg.algo) for n in ("grpo", "arpo", "rapo")]
+    assert [r.hybrid_slots for r in rollouts] == [0, 0, 5]
+    assert [r.initial_slots(16).count("hybrid") for r in rollouts] == [0, 0, 5]
+    assert [len(r.initial_slots(16)) for r in rollouts] == [16, 6, 16]  # ARPO grows its groups by branching
     # an algorithm's own section is checked only when it runs: GRPO with G=4 ignores RAPO's N_hybrid=8
     assert load_config(overrides=["algo.name=grpo", "algo.group_size=4"]).algo.group_size == 4
     with pytest.raises(ConfigError, match=r"algo.arpo.initial_rollouts \(8\)"):

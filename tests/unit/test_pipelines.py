@@ -89,3 +89,52 @@ def test_expert_with_errors_varies_rewards(tiny_cfg, tiny_tokenizer, tools):
     trajs, _ = loop.run_groups(test["multihop"][:20], 4)
     acc = sum(t.correct for t in trajs) / len(trajs)
     assert 0.05 < acc < 0.95
+
+
+def test_cold_start_demonstrations_mask_tool_results_and_drop_bad_solutions(tiny_cfg, tiny_tokenizer, tools, tmp_path):
+    """GSM8K gold solutions in the tool protocol: policy steps trained, sandbox results masked, the end-of-turn token
+    trained; a solution whose annotation the sandbox does not reproduce, or that is too long, is dropped."""
+    import json
+    from dataclasses import replace
+
+    from rapo_ray.pipelines.cold_start import cold_start_examples
+
+    rows = [
+        {"question": "2 apples and 3 more?", "answer": "She has 2+3 = <<2+3=5>>5 apples.\n#### 5"},
+        {"question": "Wrong note?", "answer": "It is 2*3 = <<2*3=7>>7.\n#### 7"},
+        {"question": "Long?", "answer": "".join(f"Step {i}: <<{i}+1={i + 1}>>.\n" for i in range(40)) + "#### 40"},
+    ]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = replace(tiny_cfg, cold_start=replace(tiny_cfg.cold_start, examples=3, file=str(data)))
+    examples, counts = cold_start_examples(cfg, tiny_tokenizer, tools)
+    assert counts == {"read": 3, "kept": 1, "tool_mismatch": 1, "too_long": 1}
+    ((ids, mask),) = examples
+    first = mask.index(1)
+    text = lambda a, b: tiny_tokenizer.decode(ids[a:b], skip_special_tokens=False)  # noqa: E731
+    assert "2 apples and 3 more?" in text(0, first)  # the prompt: what the agent loop would send
+    trained = "".join(text(i, i + 1) for i, m in enumerate(mask) if m)
+    masked = "".join(text(i, i + 1) for i, m in enumerate(mask[first:], first) if not m)
+    assert trained == "<think>She has 2+3 = 5 apples.</think><python>print(2+3)</python>" + (
+        "<think>done</think><answer>\\boxed{5}</answer>" + tiny_tokenizer.eos_token
+    )
+    assert masked == "<result>5</result>"
+
+
+def test_rl_questions_of_a_data_file_come_after_its_cold_start_head(tiny_cfg, tmp_path):
+    import json
+    from dataclasses import replace
+
+    from rapo_ray.training.trainer import rl_task_pool
+
+    data = tmp_path / "gsm" / "train.jsonl"
+    data.parent.mkdir()
+    data.write_text(
+        "".join(json.dumps({"question": f"q{i}?", "answer": f"<<{i}+0={i}>>\n#### {i}"}) + "\n" for i in range(10))
+    )
+    cfg = replace(tiny_cfg, tasks=replace(tiny_cfg.tasks, families=[], data_files=[str(data)]))
+    pool, _ = rl_task_pool(cfg)
+    assert [t.question for t in pool["gsm"]] == [f"q{i}?" for i in range(10)]
+    cold = replace(cfg, cold_start=replace(cfg.cold_start, examples=4, file=str(data)))
+    pool, _ = rl_task_pool(cold)
+    assert [t.question for t in pool["gsm"]] == [f"q{i}?" for i in range(4, 10)]
