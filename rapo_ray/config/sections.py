@@ -505,9 +505,9 @@ class ColdStartConfig:
     file: str = option(
         "../shared/data/gsm8k_openai/train.jsonl", "GSM8K-format file (question, rationale ending in '#### x')."
     )
-    steps: int = option(60, "Optimiser steps.")
-    lr: float = option(2e-5, "Peak learning rate (cosine decay, 50 warm-up steps).")
-    batch_size: int = option(8, "Sequences per step.")
+    steps: int = option(40, "Optimiser steps.")
+    lr: float = option(1e-4, "Peak learning rate (cosine decay after a warm-up of a tenth of the steps).")
+    batch_size: int = option(4, "Sequences per step.")
     seed: int = option(0, "Seed of the cold start (shared by every arm that starts from it).")
 
     def validate(self) -> None:

@@ -98,7 +98,8 @@ def cold_start(cfg, log=print) -> Path:
         raise ValueError(f"cold_start.file={c.file}: none of its first {c.examples} solutions is usable ({counts})")
     log(f"cold start: {counts['kept']} demonstrations from {c.file} ({counts}); {c.steps} SFT steps")
     model = load_model(base)
-    losses = train_sft(model, examples, c.steps, lr=c.lr, batch_size=c.batch_size, seed=c.seed, log=log)
+    warmup = max(1, c.steps // 10)  # a short run reaches its peak rate
+    losses = train_sft(model, examples, c.steps, lr=c.lr, batch_size=c.batch_size, seed=c.seed, log=log, warmup=warmup)
     save_model(model, tok, out)
     record = {
         "base": str(base),

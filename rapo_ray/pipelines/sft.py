@@ -81,13 +81,15 @@ def train_sft(
     batch_size: int = 16,
     seed: int = 0,
     log=print,
+    warmup: int = 50,
 ) -> list[float]:
-    """Next-token loss on positions whose mask is 1. ``examples``: (token ids, loss mask) pairs."""
+    """Next-token loss on positions whose mask is 1. ``examples``: (token ids, loss mask) pairs. The learning rate
+    rises linearly for ``warmup`` steps, then follows a cosine to 0 at ``steps``."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
     )
     model.train()
     # The warm start runs before any actor exists: use every core for it.

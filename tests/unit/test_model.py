@@ -109,3 +109,5 @@ def test_a_missing_truncated_or_corrupt_gguf_gets_a_clear_error(tmp_path, monkey
         load_config(overrides=["model.preset=smollm2-135m-instruct", f"model.path={tmp_path}"])
     with pytest.raises(ConfigError, match="model.preset"):
         load_config(overrides=["model.preset=llama-70b"])
+    with pytest.raises(ConfigError, match="cold_start.examples is for a real model"):
+        load_config(overrides=["cold_start.examples=10"])
