@@ -10,7 +10,6 @@ interrupted conversion never leaves a folder that looks usable.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import shutil
@@ -21,6 +20,7 @@ import torch
 
 from rapo_ray.config.presets import PACKAGED_MODELS, PackagedModel
 from rapo_ray.core.errors import ModelLoadError
+from rapo_ray.core.files import file_sha256
 
 CONVERTER_VERSION = 1  # bump when the conversion changes, so cached folders are rebuilt
 _MARKER = "converted_from.json"  # written last: a folder without it is not a finished conversion
@@ -41,14 +41,6 @@ def packaged_gguf(preset: str) -> Path:
     if not path.is_file():
         raise ModelLoadError(f"model.preset={preset}: {path} is missing from the installed {pkg.distribution}")
     return path
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def converted_dir(gguf: Path, artifacts_dir: str | Path, name: str) -> tuple[Path, str]:

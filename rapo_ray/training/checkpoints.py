@@ -8,22 +8,14 @@ place; ``newest_complete`` is what a resume loads: the newest checkpoint whose f
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 
 from rapo_ray.core.errors import CheckpointError
+from rapo_ray.core.files import file_sha256
 
 MANIFEST = "MANIFEST.json"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def write_manifest(folder: Path) -> None:
@@ -31,7 +23,7 @@ def write_manifest(folder: Path) -> None:
     manifest is either whole or absent."""
     folder = Path(folder)
     files = {
-        str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
         for p in sorted(folder.rglob("*"))
         if p.is_file() and p.name != MANIFEST
     }
@@ -59,7 +51,7 @@ def problem(folder: Path, hashes: bool = True) -> str | None:
         size = path.stat().st_size
         if size != want["bytes"]:
             return f"{name} is {size} bytes, the manifest says {want['bytes']} (truncated or rewritten)"
-        if hashes and _sha256(path) != want["sha256"]:
+        if hashes and file_sha256(path) != want["sha256"]:
             return f"{name} does not match its SHA-256 in the manifest (corrupted)"
     return None
 

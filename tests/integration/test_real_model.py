@@ -11,10 +11,11 @@ from rapo_ray.agent.loop import AgentLoop
 from rapo_ray.agent.retriever import InMemoryStepRetriever, StoredStep
 from rapo_ray.algos.loss import target_logprobs
 from rapo_ray.algos.rapo import HybridRollout
+from rapo_ray.core.files import file_sha256
 from rapo_ray.engines.base import GenerationResult, InferenceEngine, SamplingParams
 from rapo_ray.engines.torch_engine import TorchEngine
 from rapo_ray.model.factory import load_model, load_tokenizer
-from rapo_ray.model.gguf import ensure_converted, file_sha256, packaged_gguf
+from rapo_ray.model.gguf import ensure_converted, packaged_gguf
 from rapo_ray.types import protocol
 from rapo_ray.types.trajectory import GENERATED, RETRIEVED, TOOL_RESULT, Task
 from tests.helpers import settings
