@@ -88,10 +88,14 @@ def stored_keys(cfg) -> list[dict]:
         server = MilvusLiteServer(Path(cfg.run.artifacts_dir) / "milvus")
         uri = server.uri
     try:
+        from rapo_ray.launch.launcher import starting_policy
+        from rapo_ray.pipelines.buffer import buffer_collection
+
+        collection = buffer_collection(cfg, str(starting_policy(cfg)))  # the run's (cached starting policy)
         client = MilvusClient(uri=uri, token=cfg.retrieval.milvus_token or "")
-        client.load_collection(cfg.retrieval.collection)
+        client.load_collection(collection)
         it = client.query_iterator(
-            cfg.retrieval.collection, batch_size=2000, filter="", output_fields=["id", "key", "question_id", "value"]
+            collection, batch_size=2000, filter="", output_fields=["id", "key", "question_id", "value"]
         )
         rows = []
         while batch := it.next():

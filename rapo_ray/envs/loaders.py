@@ -195,8 +195,8 @@ def gsm8k_calc_steps(solution: str) -> list[CalcStep]:
     return steps
 
 
-def gsm8k_solutions(path: str | Path, limit: int) -> list[tuple[Example, str]]:
-    """The first ``limit`` rows of a GSM8K-format file (``question``, ``answer`` = rationale then ``#### x``) as
+def gsm8k_solutions(path: str | Path, limit: int | None) -> list[tuple[Example, str]]:
+    """The first ``limit`` rows (None: all) of a GSM8K-format file (``question``, ``answer`` = rationale then ``#### x``) as
     (example, rationale) pairs; a row without a rationale raises ``DataError`` naming file and row."""
     examples, _ = load_examples(path, limit=limit)
     p, out = Path(path), []

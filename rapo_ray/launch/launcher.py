@@ -28,7 +28,7 @@ from rapo_ray.core.net import free_port
 from rapo_ray.launch import ray_reaper
 from rapo_ray.launch.plan import fit_cpus, resource_needs
 from rapo_ray.model.factory import set_torch_threads
-from rapo_ray.pipelines.buffer import build_buffer, manifest_path
+from rapo_ray.pipelines.buffer import buffer_questions, build_buffer, manifest_path, with_buffer_collection
 from rapo_ray.pipelines.cold_start import cold_start
 from rapo_ray.pipelines.sft import warm_start
 from rapo_ray.retrieval.service import build_app
@@ -244,7 +244,7 @@ class RetrievalService:
     on a 2-core box) and calls ``wait_ready`` before the first rollout."""
 
     def __init__(self, cfg: Config, model_dir: Path, questions: list, log=print):
-        """``questions``: the RL questions whose off-policy steps fill the buffer (``rl_task_pool``'s)."""
+        """``questions``: the questions whose off-policy steps fill the buffer (``buffer_questions``)."""
         self.app: str | None = None
         self._server = None
         self._serve_started = False
@@ -252,6 +252,7 @@ class RetrievalService:
             return
         from ray import serve
 
+        cfg = with_buffer_collection(cfg, str(model_dir))
         uri = cfg.retrieval.milvus_uri
         if not uri:  # embedded default: milvus-lite as a managed child process, shared by URI
             self._server = MilvusLiteServer(Path(cfg.run.artifacts_dir) / "milvus")
@@ -333,7 +334,7 @@ def run(cfg: Config, log=print) -> dict:
         model_dir = starting_policy(cfg, log)
         log(f"starting policy: {model_dir}")
         tasks = rl_task_pool(cfg)  # (RL questions per family, held-out tasks): the buffer's and the trainer's
-        retrieval = RetrievalService(cfg, model_dir, [t for ts in tasks[0].values() for t in ts], log)
+        retrieval = RetrievalService(cfg, model_dir, buffer_questions(cfg, tasks[0]), log)
         trainer = Trainer(cfg, model_dir, run_dir.checkpoints, retrieval.app, tasks)  # while the replica starts
         retrieval.wait_ready()
         before_path = run_dir.path / "eval_before.json"

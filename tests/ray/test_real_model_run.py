@@ -1,6 +1,9 @@
 """The real-model recipe (configs/smollm2_gsm8k.yaml) end to end on a small batch: the packaged SmolLM2 converted
-once, its cold start on GSM8K gold solutions, then GRPO steps on GSM8K with the python tool through the fleet, the
-learner and the weight sync, and the held-out evaluation before and after."""
+once, its cold start on GSM8K gold solutions, a step-trace buffer in Milvus behind Serve, then RAPO steps on GSM8K
+with the python tool through the fleet (on-policy and hybrid slots), the learner and the weight sync, and the
+held-out evaluation before and after. RAPO runs every stage GRPO does, and the buffer, retrieval and hybrid slots
+on top. The buffer comes from the human solutions here: a two-step cold start rarely calls the tool, so its own
+samples (the recipe's ``policy`` source, tested in tests/unit/test_buffer_sources.py) would give an empty buffer."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from rapo_ray.types import protocol
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_two_grpo_steps_of_the_real_model_recipe(ray_session, smollm2_dir, tmp_path):
+def test_two_rapo_steps_of_the_real_model_recipe(ray_session, smollm2_dir, tmp_path):
     cfg = load_config(
         REPO / "configs" / "smollm2_gsm8k.yaml",
         [
@@ -35,6 +38,9 @@ def test_two_grpo_steps_of_the_real_model_recipe(ray_session, smollm2_dir, tmp_p
             "trainer.eval_size=4",
             "tasks.eval_limit=4",
             "trainer.rl_questions=16",
+            "algo.name=rapo",
+            "retrieval.buffer_source=solutions",
+            "retrieval.buffer_questions=8",
         ],
     )
     summary = run(cfg, log=lambda *_: None)
@@ -53,3 +59,19 @@ def test_two_grpo_steps_of_the_real_model_recipe(ray_session, smollm2_dir, tmp_p
     assert all(int(r["problem_id"].rsplit("-", 1)[1]) >= 8 for r in rows)
     prompt = tok.decode(rows[0]["prompt_ids"])
     assert prompt.startswith("<|im_start|>system\n" + protocol.SYSTEM_PROMPT)
+    # the buffer: human calculator steps of the first 8 RL questions, in the collection named by its fingerprint
+    (manifest,) = (Path(cfg.run.artifacts_dir) / "milvus").glob("manifest-step_traces_*.json")
+    built = json.loads(manifest.read_text())
+    assert built["built_for"]["retrieval.buffer_source"] == "solutions" and 5 <= len(built["questions"]) <= 8
+    # the last 2 slots of each group are hybrid; every retrieval the metrics count is a retrieved block in a row,
+    # and each block is a stored human step (a python call and its result)
+    assert [r["slot_kind"] for r in rows[:4]] == ["on_policy", "on_policy", "hybrid", "hybrid"]
+    all_rows = rows + pq.read_table(rd / "trajectories" / "step-000002.parquet").to_pylist()
+    blocks = [
+        tok.decode(r["response_ids"][seg["start"] : seg["end"]])
+        for r in all_rows
+        for seg in r["segments"]
+        if seg["kind"] == "retrieved"
+    ]
+    assert len(blocks) == sum(m["retrievals"] for m in steps)
+    assert all("<python>print(" in b and "</result>" in b for b in blocks), blocks
