@@ -17,7 +17,6 @@ first update are biased. Results are merged into benchmarks/results/logprob_agre
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import replace
@@ -44,6 +43,7 @@ def main() -> int:
     from rapo_ray.algos.loss import target_logprobs
     from rapo_ray.config import load_config
     from rapo_ray.core.devices import machine_record
+    from rapo_ray.core.files import merge_json_entry
     from rapo_ray.engines import make_engine
     from rapo_ray.engines.vllm_engine import vllm_available
     from rapo_ray.envs.loaders import load_examples
@@ -53,18 +53,12 @@ def main() -> int:
         load_model,
         load_model_and_tokenizer,
         load_tokenizer,
-        resolve_model_dir,
     )
-    from rapo_ray.pipelines.cold_start import cold_start
+    from rapo_ray.pipelines.cold_start import checkpoint_named
 
     torch.set_num_threads(2)
     cfg = load_config(args.config, args.override)
-    if args.checkpoint == "base":
-        model_dir = resolve_model_dir(cfg)
-    elif args.checkpoint == "cold-start":
-        model_dir = cold_start(cfg)
-    else:
-        model_dir = Path(args.checkpoint)
+    model_dir = checkpoint_named(cfg, args.checkpoint)
     examples, _ = load_examples(cfg.tasks.eval_files[0], limit=args.questions)
     tasks = [to_task(e) for e in examples]
     tools = build_tools(cfg.tasks, cfg.rollout, search_index=None)
@@ -128,18 +122,14 @@ def main() -> int:
                     f"{row['gap_mean']:.2e} p99 {row['gap_p99']:.2e} max {row['gap_max']:.2e}"
                 )
     tools.close()
-    out = Path(args.out)
-    data = json.loads(out.read_text()) if out.is_file() else {}
-    data[args.device] = {
+    record = {
         "model_dir": str(model_dir),
         "checkpoint": args.checkpoint,
         "questions": len(tasks),
         "rows": rows,
         "machine": machine_record(),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=1) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {merge_json_entry(args.out, args.device, record)}")
     return 0
 
 

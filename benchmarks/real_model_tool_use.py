@@ -39,21 +39,17 @@ def main() -> int:
     from rapo_ray.agent.loop import AgentLoop, LoopSettings
     from rapo_ray.config import load_config
     from rapo_ray.core.devices import machine_record
+    from rapo_ray.core.files import merge_json_entry
     from rapo_ray.engines import make_engine
     from rapo_ray.envs.loaders import load_examples
     from rapo_ray.envs.suite import build_tools, to_task
-    from rapo_ray.model.factory import context_length, load_model_and_tokenizer, load_tokenizer, resolve_model_dir
-    from rapo_ray.pipelines.cold_start import cold_start
+    from rapo_ray.model.factory import context_length, load_model_and_tokenizer, load_tokenizer
+    from rapo_ray.pipelines.cold_start import checkpoint_named
 
     cfg = load_config(args.config, args.override)
     if not cfg.tasks.eval_files:
         sys.exit(f"{args.config}: tasks.eval_files is empty")
-    if args.checkpoint == "base":
-        model_dir = resolve_model_dir(cfg)
-    elif args.checkpoint == "cold-start":
-        model_dir = cold_start(cfg)
-    else:
-        model_dir = Path(args.checkpoint)
+    model_dir = checkpoint_named(cfg, args.checkpoint)
     examples, _ = load_examples(cfg.tasks.eval_files[0], limit=args.questions)
     tasks = [to_task(e) for e in examples]
     tok = load_tokenizer(model_dir)
@@ -86,9 +82,8 @@ def main() -> int:
     finally:
         tools.close()
         engine.close()
-    out = Path(args.out)
-    data = json.loads(out.read_text()) if out.is_file() else {}
-    data[args.checkpoint if args.checkpoint in ("base", "cold-start") else str(model_dir)] = {
+    key = args.checkpoint if args.checkpoint in ("base", "cold-start") else str(model_dir)
+    record = {
         "model_dir": str(model_dir),
         "eval_file": cfg.tasks.eval_files[0],
         "questions": len(tasks),
@@ -98,9 +93,7 @@ def main() -> int:
         "seconds": round(time.perf_counter() - t_start, 1),
         "machine": machine_record(),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=1) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {merge_json_entry(args.out, key, record)}")
     return 0
 
 

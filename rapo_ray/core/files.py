@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 
@@ -13,3 +14,16 @@ def file_sha256(path: str | Path) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def merge_json_entry(path: str | Path, key: str, value) -> Path:
+    """Set ``key`` to ``value`` in the JSON object at ``path`` (created if missing), keeping its other entries: the
+    results file a benchmark shares across checkpoints or devices. Written to a temporary name and renamed."""
+    path = Path(path)
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    data[key] = value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+    return path

@@ -114,3 +114,12 @@ def cold_start(cfg, log=print) -> Path:
     (out / "COMPLETE").write_text("ok\n")
     log(f"cold start written to {out} in {record['seconds']} s (loss {losses[0]:.3f} -> {losses[-1]:.3f})")
     return out
+
+
+def checkpoint_named(cfg, name: str) -> Path:
+    """``base`` (the converted model), ``cold-start`` (its cold start, built if needed) or an HF folder's path."""
+    if name == "base":
+        return resolve_model_dir(cfg)
+    if name == "cold-start":
+        return cold_start(cfg)
+    return Path(name)

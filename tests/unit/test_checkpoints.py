@@ -41,3 +41,16 @@ def test_the_manifest_names_what_is_wrong_and_resume_falls_back(tmp_path):
     legacy.mkdir(parents=True)
     (legacy / "COMPLETE").write_text("ok\n")
     assert newest_complete(legacy.parent) == legacy
+
+
+def test_merge_json_entry_keeps_the_other_entries(tmp_path):
+    import json
+
+    from rapo_ray.core.files import merge_json_entry
+
+    out = tmp_path / "results" / "bench.json"
+    assert merge_json_entry(out, "cpu", {"gap": 1}) == out
+    merge_json_entry(out, "cuda", {"gap": 2})
+    merge_json_entry(out, "cpu", {"gap": 3})
+    assert json.loads(out.read_text()) == {"cpu": {"gap": 3}, "cuda": {"gap": 2}}
+    assert not list(out.parent.glob("*.tmp"))
