@@ -1,23 +1,40 @@
 """GRPO vs ARPO vs RAPO (and RAPO's two main ablations) under one compute budget, several seeds each.
 
     python benchmarks/compare_algorithms.py [--steps 30] [--prompts 4] [--seeds 0,1,2] [--artifacts artifacts]
+    python benchmarks/compare_algorithms.py --config configs/smollm2_gsm8k.yaml --seeds 0,1,2 \
+        --report benchmarks/results/compare_smollm2.json          # the real model: the recipe's own batch and steps
 
-Every run is `jobs/train.py` with the same model, warm start, buffer, data, steps, prompts per step and
-rollouts per prompt (G=16); only the algorithm differs. Runs already finished (summary.json present) are
-reused, so an interrupted comparison continues where it stopped. Writes benchmarks/results/compare.json,
-docs/compare_curves.png and prints the markdown tables that docs/RESULTS.md holds.
+Every run is `jobs/train.py` with the same model, warm start (or cold start), buffer, data, steps, prompts per
+step and rollouts per prompt; only the algorithm differs. Without --config, the bundled default job with
+--steps 30 --prompts 4 --eval-size 100; with it, the config's own values unless given. Runs already finished
+(summary.json present) are reused, so an interrupted comparison continues where it stopped. Writes the JSON
+report, the curves (per step and per wall-clock second) and prints the markdown tables that docs/RESULTS.md holds.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
+import shutil
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pyarrow.parquet as pq
+import yaml
+
+from rapo_ray.agent.evaluation import paired_change
+from rapo_ray.agent.turns import answer_handed
+from rapo_ray.config import load_config
+from rapo_ray.core.devices import machine_record
+from rapo_ray.envs import tasks as bundled
+from rapo_ray.model.factory import load_tokenizer, resolve_model_dir
+from rapo_ray.pipelines.sft import warm_start_dir
+from rapo_ray.types import protocol
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,12 +51,16 @@ METHODS = {
     "rapo other-question": ["algo.name=rapo", "retrieval.question_scope=other"],
     # not a paper arm: an answer that only a retrieved step showed earns 0 (algo.rapo.reward_retrieved_answers)
     "rapo handed-unpaid": ["algo.name=rapo", "algo.rapo.reward_retrieved_answers=false"],
+    # the buffer's source (data-file tasks only): human GSM8K calculator steps instead of the policy's own samples
+    "rapo solutions-buffer": ["algo.name=rapo", "retrieval.buffer_source=solutions"],
 }
+TOOL_OPEN_TAGS = (protocol.PYTHON[0], protocol.SEARCH[0])
 DEFAULT_METHODS = ["grpo", "arpo", "rapo", "rapo w/o RR", "rapo w/o RIS"]
 REWARD_KEYS = ("on_policy_reward", "hybrid_reward", "retrieval_reward")  # means over the run's steps
 STEP_KEYS = (
     "step_s",
     "rollout_s",
+    "retrieve_s",
     "old_logprob_s",
     "update_s",
     "sync_s",
@@ -57,12 +78,13 @@ def run_one(method: str, seed: int, args, out: Path) -> dict | None:
         cmd = [
             sys.executable,
             str(REPO / "jobs" / "train.py"),
+            *(["--config", args.config] if args.config else []),
             *METHODS[method],
             f"trainer.seed={seed}",
-            f"trainer.total_steps={args.steps}",
-            f"trainer.prompts_per_step={args.prompts}",
+            *([f"trainer.total_steps={args.steps}"] if args.steps else []),
+            *([f"trainer.prompts_per_step={args.prompts}"] if args.prompts else []),
             "trainer.eval_every=0",
-            f"trainer.eval_size={args.eval_size}",
+            *([f"trainer.eval_size={args.eval_size}"] if args.eval_size else []),
             "checkpoint.every=0",
             f"run.output_dir={out / 'runs'}",
             f"run.name={name}",
@@ -72,8 +94,6 @@ def run_one(method: str, seed: int, args, out: Path) -> dict | None:
             *args.overrides,
         ]
         if run_dir.exists():  # an interrupted run: start it again from scratch
-            import shutil
-
             shutil.rmtree(run_dir)
         t0 = time.perf_counter()
         log = out / "logs" / f"{name}.log"
@@ -94,10 +114,13 @@ def run_one(method: str, seed: int, args, out: Path) -> dict | None:
         "after": summary["after"],
         "paired_change": summary.get("paired_change", {}),
         "curve": [(m["step"], m["reward"]) for m in steps],
+        "wall": list(itertools.accumulate(m["step_s"] for m in steps)),  # seconds of training after each step
+        "group_size": yaml.safe_load((run_dir / "config.yaml").read_text())["algo"]["group_size"],
         "per_step": {k: statistics.median(m[k] for m in steps) for k in STEP_KEYS if steps and k in steps[0]},
         "rewards": {k: statistics.mean(m[k] for m in steps) for k in REWARD_KEYS if steps and k in steps[0]},
         "slot_success": slot_success(run_dir),
         "retrieved_wins": retrieved_wins(run_dir),
+        "retrieved_steps": retrieved_step_use(run_dir),
         # problem id -> solved after training (greedy, held-out): the paired test between methods
         "after_problems": json.loads(after.read_text()).get("problems", {})
         if (after := run_dir / "eval_after.json").is_file()
@@ -108,8 +131,6 @@ def run_one(method: str, seed: int, args, out: Path) -> dict | None:
 def slot_success(run_dir: Path) -> dict:
     """Training-rollout success rate per task family and slot kind over the whole run, with hybrid slots split
     by whether a step was actually retrieved into them (from the run's trajectories/*.parquet)."""
-    import pyarrow.parquet as pq
-
     counts: dict[str, list[int]] = {}
     for f in sorted((run_dir / "trajectories").glob("step-*.parquet")):
         for r in pq.read_table(f, columns=["problem_id", "slot_kind", "correct", "num_retrievals"]).to_pylist():
@@ -123,18 +144,19 @@ def slot_success(run_dir: Path) -> dict:
     return {k: c / n for k, (c, n) in sorted(counts.items())}
 
 
+def run_tokenizer(run_dir: Path, cfg):
+    """The tokenizer that wrote a run's trajectories: its last checkpoint's, else its starting model's."""
+    checkpoints = sorted((run_dir / "checkpoints").glob("step-*"))
+    if checkpoints:
+        return load_tokenizer(checkpoints[-1])
+    return load_tokenizer(warm_start_dir(cfg) if cfg.model.bundled else resolve_model_dir(cfg, log=lambda *_: None))
+
+
 def retrieved_wins(run_dir: Path) -> dict:
     """What the rewarded training rollouts with a retrieved step did themselves, per search family (multihop,
     alias: a problem's expert path is its list of searches). ``answer_in_retrieved``: the answer is an entity
     that a retrieved block showed; ``own_wrong_search``: the rollout made a search of its own that is off the
     expert's path, so the reward credited a wrong step (the answer-leak trap of TASK_DESIGN_NOTES)."""
-    import pyarrow.parquet as pq
-
-    from rapo_ray.config import load_config
-    from rapo_ray.envs import tasks as bundled
-    from rapo_ray.model.factory import load_tokenizer, resolve_model_dir
-    from rapo_ray.pipelines.sft import warm_start_dir
-
     cfg = load_config(run_dir / "config.yaml", [])
     expert = {
         p.id: {call for _, _, call, _ in p.expert_steps}
@@ -144,20 +166,14 @@ def retrieved_wins(run_dir: Path) -> dict:
     }
     if not expert:
         return {}
-    checkpoints = sorted((run_dir / "checkpoints").glob("step-*"))
-    tok = load_tokenizer(
-        checkpoints[-1] if checkpoints else (warm_start_dir(cfg) if cfg.model.bundled else resolve_model_dir(cfg))
-    )
+    tok = run_tokenizer(run_dir, cfg)
     cols = ["problem_id", "response_ids", "segments", "correct", "num_retrievals", "answer"]
     counts: dict[str, list[int]] = {}
     for f in sorted((run_dir / "trajectories").glob("step-*.parquet")):
         for r in pq.read_table(f, columns=cols).to_pylist():
             if not (r["correct"] and r["num_retrievals"] and r["problem_id"] in expert):
                 continue
-            text = {"generated": "", "retrieved": ""}
-            for seg in r["segments"]:
-                if seg["kind"] in text:
-                    text[seg["kind"]] += tok.decode(r["response_ids"][seg["start"] : seg["end"]])
+            text = segment_texts(tok, r)
             shown, off_path = leak_flags(text["generated"], text["retrieved"], r["answer"], expert[r["problem_id"]])
             c = counts.setdefault(r["problem_id"].split("-")[0], [0, 0, 0])
             c[0], c[1], c[2] = c[0] + 1, c[1] + int(shown), c[2] + int(off_path)
@@ -165,6 +181,60 @@ def retrieved_wins(run_dir: Path) -> dict:
         fam: {"rewarded": n, "answer_in_retrieved": a / n, "own_wrong_search": w / n}
         for fam, (n, a, w) in sorted(counts.items())
     }
+
+
+def segment_texts(tok, row: dict) -> dict[str, str]:
+    """A trajectory row's response text by segment kind (generated, tool_result, retrieved), each in order."""
+    text = {"generated": "", "tool_result": "", "retrieved": ""}
+    for seg in row["segments"]:
+        if seg["kind"] in text:
+            text[seg["kind"]] += tok.decode(row["response_ids"][seg["start"] : seg["end"]])
+    return text
+
+
+def retrieved_step_use(run_dir: Path) -> dict:
+    """How the training rollouts with a retrieved step used it, per task family (any task, the real model's
+    GSM8K included): ``next_steps`` generated steps directly after a retrieved block, ``next_step_tool_call``
+    the share of them that open a tool call which then ran (a tool result follows), ``answered`` those rollouts
+    that gave an answer, and ``answer_handed`` the share of those whose answer a retrieved block showed and none
+    of their own tool results produced (``agent.turns.answer_handed``, the leak), correct or not."""
+    cfg = load_config(run_dir / "config.yaml", [])
+    tok = None
+    cols = ["problem_id", "response_ids", "segments", "num_retrievals", "answer"]
+    counts: dict[str, list[int]] = {}
+    for f in sorted((run_dir / "trajectories").glob("step-*.parquet")):
+        for r in pq.read_table(f, columns=cols).to_pylist():
+            if not r["num_retrievals"]:
+                continue
+            tok = tok or run_tokenizer(run_dir, cfg)
+            c = counts.setdefault(r["problem_id"].split("-")[0], [0, 0, 0, 0])
+            nxt, call = next_step_calls(tok, r)
+            c[0], c[1] = c[0] + nxt, c[1] + call
+            if r["answer"]:
+                text = segment_texts(tok, r)
+                c[2] += 1
+                c[3] += int(answer_handed(r["answer"], text["retrieved"], text["tool_result"]))
+    return {
+        fam: {
+            "next_steps": n,
+            "next_step_tool_call": call / n if n else 0.0,
+            "answered": a,
+            "answer_handed": h / a if a else 0.0,
+        }
+        for fam, (n, call, a, h) in sorted(counts.items())
+    }
+
+
+def next_step_calls(tok, row: dict) -> tuple[int, int]:
+    """(generated steps that directly follow a retrieved block, how many of them open a tool call that ran)."""
+    segs, nxt, call = row["segments"], 0, 0
+    for i, seg in enumerate(segs[:-1]):
+        if seg["kind"] == "retrieved" and segs[i + 1]["kind"] == "generated":
+            nxt += 1
+            step = tok.decode(row["response_ids"][segs[i + 1]["start"] : segs[i + 1]["end"]])
+            ran = i + 2 < len(segs) and segs[i + 2]["kind"] == "tool_result"
+            call += int(ran and any(tag in step for tag in TOOL_OPEN_TAGS))
+    return nxt, call
 
 
 def leak_flags(generated: str, retrieved: str, answer: str, expert_calls: set[str]) -> tuple[bool, bool]:
@@ -177,8 +247,6 @@ def leak_flags(generated: str, retrieved: str, answer: str, expert_calls: set[st
 def paired_vs(results: list[dict], method: str, baseline: str, family: str) -> dict | None:
     """Held-out problems of ``family`` solved by ``method`` but not ``baseline`` and the reverse, pooled over the
     seeds both ran (a problem under seed s is paired with itself under seed s), with the exact sign test."""
-    from rapo_ray.agent.evaluation import paired_change
-
     by = {(r["method"], r["seed"]): r["after_problems"] for r in results if r.get("after_problems")}
     seeds = sorted({s for m, s in by if m == method} & {s for m, s in by if m == baseline})
     if not seeds:
@@ -226,8 +294,9 @@ def tables(results: list[dict]) -> str:
                     )
     lines += [
         "",
-        "| method | step s | rollout s | old-logprob s | update s | sync s | rollout tokens | tool calls | retrievals | learner tokens/s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| method | step s | rollout s | retrieval s | old-logprob s | update s | sync s | rollout tokens | tool calls | "
+        "retrievals | learner tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for method in METHODS:
         rs = [r for r in results if r["method"] == method]
@@ -235,9 +304,9 @@ def tables(results: list[dict]) -> str:
             cell = [statistics.mean(r["per_step"].get(k, 0.0) for r in rs) for k in STEP_KEYS]
             lines.append(
                 f"| {method} | "
-                + " | ".join(f"{c:.2f}" for c in cell[:5])
+                + " | ".join(f"{c:.2f}" for c in cell[:6])
                 + " | "
-                + " | ".join(f"{c:.0f}" for c in cell[5:])
+                + " | ".join(f"{c:.0f}" for c in cell[6:])
                 + " |"
             )
     lines += ["", "| method | on-policy slot reward | hybrid slot reward | retrieval reward Z |", "|---|---|---|---|"]
@@ -274,6 +343,22 @@ def tables(results: list[dict]) -> str:
                     f"| {method} | {fam} | {sum(w['rewarded'] for w in ws)} | "
                     f"{_ms([w['answer_in_retrieved'] for w in ws])} | {_ms([w['own_wrong_search'] for w in ws])} |"
                 )
+    used = [(r["method"], fam, u) for r in results for fam, u in r.get("retrieved_steps", {}).items()]
+    if used:
+        lines += [
+            "",
+            "| method | family | steps after a retrieved block | of them a tool call that ran | "
+            "answers given after one | answer shown only by a retrieved block |",
+            "|---|---|---|---|---|---|",
+        ]
+        for method in METHODS:
+            for fam in sorted({f for m, f, _ in used if m == method}):
+                us = [u for m, f, u in used if m == method and f == fam]
+                lines.append(
+                    f"| {method} | {fam} | {sum(u['next_steps'] for u in us)} | "
+                    f"{_ms([u['next_step_tool_call'] for u in us])} | {sum(u['answered'] for u in us)} | "
+                    f"{_ms([u['answer_handed'] for u in us])} |"
+                )
     return "\n".join(lines)
 
 
@@ -283,17 +368,22 @@ def plot(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
     for method in METHODS:
         rs = [r for r in results if r["method"] == method]
         if not rs:
             continue
         steps = sorted({s for r in rs for s, _ in r["curve"]})
         mean = [statistics.mean(v for r in rs for s2, v in r["curve"] if s2 == s) for s in steps]
-        ax.plot(steps, mean, label=f"{method} ({len(rs)} seeds)")
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("mean training reward")
-    ax.legend()
+        by_step.plot(steps, mean, label=f"{method} ({len(rs)} seeds)")
+        # equal wall time: the same mean reward against the mean training seconds spent up to each step
+        walls = [r["wall"] for r in rs if len(r.get("wall", [])) == len(r["curve"])]
+        if walls and all(len(w) == len(steps) for w in walls):
+            by_time.plot([statistics.mean(w[i] for w in walls) / 60 for i in range(len(steps))], mean, label=method)
+    by_step.set_xlabel("RL step")
+    by_step.set_ylabel("mean training reward")
+    by_time.set_xlabel("training wall time (min, steps only)")
+    by_step.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -301,10 +391,11 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--config", default=None, help="a recipe for every run (jobs/train.py --config)")
+    ap.add_argument("--steps", type=int, default=None, help="RL steps per run (default: 30, or the config's)")
+    ap.add_argument("--prompts", type=int, default=None, help="prompts per step (default: 4, or the config's)")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--eval-size", type=int, default=100)
+    ap.add_argument("--eval-size", type=int, default=None, help="held-out problems (default: 100, or the config's)")
     ap.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma-separated, of: {', '.join(METHODS)}")
     ap.add_argument("--artifacts", default=str(REPO / "artifacts"), help="shared warm start + buffer (built once)")
     ap.add_argument("--out", default=str(REPO / "runs" / "compare"))
@@ -315,6 +406,8 @@ def main() -> int:
     )
     ap.add_argument("overrides", nargs="*", help="extra config overrides applied to every run")
     args = ap.parse_args()
+    if not args.config:  # the bundled default job's comparison budget
+        args.steps, args.prompts, args.eval_size = args.steps or 30, args.prompts or 4, args.eval_size or 100
     out = Path(args.out)
     methods = [m.strip() for m in args.methods.split(",")]
     unknown = [m for m in methods if m not in METHODS]
@@ -326,9 +419,11 @@ def main() -> int:
             r = run_one(method, seed, args, out)
             (results.append(r) if r is not None else failed.append(f"{method} seed {seed}"))
     report = {
-        "steps": args.steps,
+        "config": args.config,
+        "machine": machine_record(),
+        "steps": args.steps,  # None: the config's own
         "prompts_per_step": args.prompts,
-        "group_size": 16,
+        "group_size": sorted({r["group_size"] for r in results}),
         "eval_size": args.eval_size,
         "overrides": args.overrides,
         "failed": failed,

@@ -2,15 +2,24 @@
 
     pip install -e '.[peer]'      # trl (optional)
     python benchmarks/peer_trl.py [--steps 6] [--prompts 4] [--group 16] [--max-tokens 96] [--repeats 3]
+    python benchmarks/peer_trl.py --config configs/smollm2_gsm8k.yaml --prompts 2 --group 4 --max-tokens 320 \
+        --lr 1e-6 --out benchmarks/results/peer_trl_smollm2.json      # the real model on GSM8K
 
-The task is what both trainers can run: single-turn generation. Each sample is one completion of the
-bundled warm-started model on a bundled training question (the protocol's prompt), ending at the first
-tool call, answer or EOS, or after ``--max-tokens``. TRL stops at the same tags (they are single tokens
-of the bundled tokenizer, set as the model's EOS ids). Ours is ``jobs/train.py`` with
-``rollout.max_tool_calls=0`` (the loop ends a trajectory at its first tool call), GRPO, no retrieval. Both:
-G rollouts per prompt, ``--prompts`` prompts per step, temperature 1, one optimizer step per batch (our
-mini-batch = the whole batch; TRL's batch = the whole generation batch), KL coefficient 0, the same
-learning rate and the same reward function (``rapo_ray.envs.rewards.score``).
+The task is what both trainers can run: single-turn generation (TRL's tool mode calls functions through the
+model's own chat-template tool format, not the paper's ``<python>`` text protocol, so the multi-turn loop has
+no TRL counterpart). Without --config: the bundled warm-started model on bundled training questions (the
+protocol's prompt), each sample ending at the first tool call, answer or EOS, or after ``--max-tokens``; TRL
+stops at the same tags (single tokens of the bundled tokenizer, set as the model's EOS ids). With --config (a
+real model's recipe): the recipe's starting checkpoint (its cold start) on the recipe's training questions,
+through the model's chat template, with a system prompt that asks for reasoning and a boxed answer and no tool
+calls (``NO_TOOL_PROMPT``); a sample ends at EOS or after ``--max-tokens`` on TRL's side, and ours also at
+``</answer>`` or a tool call's closing tag (multi-token strings that TRL's generate cannot stop at; how often
+ours ended that way is reported as ``ended_at_tag``). Ours is ``jobs/train.py`` with ``rollout.max_tool_calls=0``
+(the loop ends a trajectory at its first tool call), GRPO, no retrieval. Both: the same prompts in the same order
+(TRL is fed the questions our run drew, step by step, unshuffled), G rollouts per prompt, ``--prompts`` prompts
+per step, temperature 1, one optimizer step per batch (our mini-batch = the whole batch; TRL's batch = the whole
+generation batch), KL coefficient 0, the same learning rate and the same reward function
+(``rapo_ray.envs.rewards.score``).
 
 Measured per trainer: the wall time of each training step after the first (warm-up), samples/s =
 samples per step / median step time, generated tokens/s = generated tokens (counted from the completion
@@ -24,17 +33,38 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
+from rapo_ray.config import load_config
+from rapo_ray.core.devices import machine_record
+from rapo_ray.pipelines.cold_start import checkpoint_named
+from rapo_ray.pipelines.sft import warm_start
+
 REPO = Path(__file__).resolve().parents[1]
+NO_TOOL_PROMPT = (
+    "Solve the problem step by step inside <think> </think>, then give the final answer as "
+    "<answer>\\boxed{...}</answer>. Do not call tools."
+)
 
 
 def common_overrides(args) -> list[str]:
-    return [f"run.artifacts_dir={args.artifacts}", "tasks.system_prompt=short"] + list(args.overrides)
+    prompt = f"tasks.system_prompt={NO_TOOL_PROMPT}" if args.config else "tasks.system_prompt=short"
+    return [f"run.artifacts_dir={args.artifacts}", prompt] + list(args.overrides)
+
+
+def prompt_order(run_dir: Path) -> list[str]:
+    """The problem ids a run drew, step by step, each step's in the order its groups were stored."""
+    ids = []
+    for f in sorted((run_dir / "trajectories").glob("step-*.parquet")):
+        ids += dict.fromkeys(pq.read_table(f, columns=["problem_id"]).column("problem_id").to_pylist())
+    return ids
 
 
 def ours(args, out: Path, repeat: int, model_dir: str) -> dict:
@@ -43,6 +73,7 @@ def ours(args, out: Path, repeat: int, model_dir: str) -> dict:
     cmd = [
         sys.executable,
         str(REPO / "jobs" / "train.py"),
+        *(["--config", args.config] if args.config else []),
         "algo.name=grpo",
         f"algo.group_size={args.group}",
         "rollout.max_tool_calls=0",
@@ -55,6 +86,7 @@ def ours(args, out: Path, repeat: int, model_dir: str) -> dict:
         f"learner.lr={args.lr}",
         "trainer.eval_every=0",
         "trainer.eval_size=4",
+        "tasks.eval_limit=4",
         "checkpoint.every=0",
         f"trainer.seed={repeat}",
         f"run.output_dir={out / 'runs'}",
@@ -62,11 +94,11 @@ def ours(args, out: Path, repeat: int, model_dir: str) -> dict:
         "run.progress=false",
         "run.tensorboard=false",
         f"model.path={model_dir}",
+        # a recipe's model is its preset plus a cold start: both sides start from that cold start as it is
+        *(["model.preset=", "cold_start.examples=0"] if args.config else []),
         *common_overrides(args),
     ]
     if run_dir.exists():
-        import shutil
-
         shutil.rmtree(run_dir)
     log = out / f"{name}.log"
     with open(log, "w") as f:
@@ -74,17 +106,25 @@ def ours(args, out: Path, repeat: int, model_dir: str) -> dict:
     if rc != 0:
         raise SystemExit(f"our run failed (exit {rc}); see {log}")
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in steps if "step_s" in m][1:]  # the first step warms up engines and learners
+    steps = [m for m in steps if "step_s" in m]
+    reasons = [
+        r
+        for f in sorted((run_dir / "trajectories").glob("step-*.parquet"))
+        for r in pq.read_table(f, columns=["finish_reason"]).column("finish_reason").to_pylist()
+    ]
     return {
-        "step_s": [m["step_s"] for m in steps],
-        "tokens": [m["rollout_tokens"] for m in steps],
+        "step_s": [m["step_s"] for m in steps[1:]],  # the first step warms up engines and learners
+        "tokens": [m["rollout_tokens"] for m in steps[1:]],
         "samples": args.prompts * args.group,
-        "reward": statistics.mean(m["reward"] for m in steps),
+        "reward": statistics.mean(m["reward"] for m in steps[1:]),
+        "reward_curve": [m["reward"] for m in steps],
+        "finish_reasons": {k: reasons.count(k) for k in sorted(set(reasons))},
+        "prompt_order": prompt_order(run_dir),
     }
 
 
-def trl_worker(args, model_dir: str, repeat: int) -> dict:
-    """One TRL run in this process."""
+def trl_worker(args, model_dir: str, repeat: int, order: list[str]) -> dict:
+    """One TRL run in this process, on the questions ``order`` (our run's problem ids, step by step)."""
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -96,21 +136,27 @@ def trl_worker(args, model_dir: str, repeat: int) -> dict:
     from rapo_ray.model.factory import load_model, load_tokenizer
     from rapo_ray.types import protocol
 
-    cfg = load_config(overrides=common_overrides(args))
+    cfg = load_config(args.config, overrides=common_overrides(args))
     tok = load_tokenizer(model_dir)
     model = load_model(model_dir)
-    stop_ids = [tok.convert_tokens_to_ids(t) for t in (*protocol.TOOL_STOPS, protocol.ANSWER_STOP)]
-    model.generation_config.eos_token_id = [tok.eos_token_id, *stop_ids]
+    system = protocol.system_prompt_for(cfg.tasks.system_prompt, bundled=cfg.model.bundled)
+    if cfg.model.bundled:  # the protocol's tags are single tokens here: TRL stops at them as EOS ids
+        stop_ids = [tok.convert_tokens_to_ids(t) for t in (*protocol.TOOL_STOPS, protocol.ANSWER_STOP)]
+        model.generation_config.eos_token_id = [tok.eos_token_id, *stop_ids]
     model.generation_config.pad_token_id = tok.pad_token_id
-    system = protocol.system_prompt_for(cfg.tasks.system_prompt, bundled=True)
     train, _ = task_splits(cfg.tasks)
-    rows = [t for fam in sorted(train) for t in train[fam][:200]]
-    data = Dataset.from_list(
-        [
-            {"prompt": protocol.render_prompt(t.question, system), "answers": list(t.answers), "kind": t.kind}
-            for t in rows
-        ]
-    ).shuffle(seed=repeat)
+    by_id = {t.id: t for fam in train.values() for t in fam}
+    missing = [i for i in order if i not in by_id]
+    if missing:
+        raise SystemExit(f"our run drew problems that the config's tasks do not hold: {missing[:3]}")
+
+    def prompt(t):
+        if cfg.model.bundled:
+            return protocol.render_prompt(t.question, system)
+        return [{"role": "system", "content": system}, {"role": "user", "content": t.question}]  # chat template
+
+    rows = [by_id[i] for i in order]
+    data = Dataset.from_list([{"prompt": prompt(t), "answers": list(t.answers), "kind": t.kind} for t in rows])
     generated = []
 
     def reward(prompts, completions, completion_ids, answers, kind, **_):
@@ -149,6 +195,7 @@ def trl_worker(args, model_dir: str, repeat: int) -> dict:
         disable_dropout=True,
         epsilon=0.28,
         epsilon_high=0.28,
+        shuffle_dataset=False,  # the questions in our run's order
     )
     trainer = GRPOTrainer(
         model=model, reward_funcs=reward, args=conf, train_dataset=data, processing_class=tok, callbacks=[Timer()]
@@ -160,6 +207,7 @@ def trl_worker(args, model_dir: str, repeat: int) -> dict:
         "tokens": generated[1 : len(step_times)],
         "samples": batch,
         "reward": statistics.mean(rewards[1:]) if len(rewards) > 1 else float("nan"),
+        "reward_curve": rewards,
         "torch_threads": torch.get_num_threads(),
     }
 
@@ -182,6 +230,8 @@ def summarize(runs: list[dict]) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=None, help="a real model's recipe (both sides start from its cold start)")
+    ap.add_argument("--checkpoint", default="cold-start", help="with --config: base | cold-start | an HF folder")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--group", type=int, default=16)
@@ -192,29 +242,31 @@ def main() -> int:
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "peer_trl.json"))
     ap.add_argument("--trl-worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--order", default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="rapo_ray config overrides for both sides (model and task settings)")
     args = ap.parse_args()
 
     if args.trl_worker is not None:
-        print("RESULT " + json.dumps(trl_worker(args, args.model, args.trl_worker)))
+        order = json.loads(Path(args.order).read_text())
+        print("RESULT " + json.dumps(trl_worker(args, args.model, args.trl_worker, order)))
         return 0
     try:
         import trl  # noqa: F401
     except ImportError:
         raise SystemExit("TRL is not installed: pip install -e '.[peer]'") from None
 
-    from rapo_ray.config import load_config
-    from rapo_ray.pipelines.sft import warm_start
-
     out = Path(args.artifacts) / "peer_trl"  # run directories and logs; the JSON report goes to --out
     out.mkdir(parents=True, exist_ok=True)
-    # the checkpoint both trainers start from: the bundled model's warm start of the default config
-    model_dir = str(warm_start(load_config(overrides=[f"run.artifacts_dir={args.artifacts}"])))
+    # the checkpoint both trainers start from: the recipe's cold start, or the bundled model's warm start
+    cfg = load_config(args.config, [f"run.artifacts_dir={args.artifacts}"])
+    model_dir = str(checkpoint_named(cfg, args.checkpoint) if args.config else warm_start(cfg))
     results = {"ours": [], "trl": []}
     for r in range(args.repeats):
         t0 = time.perf_counter()
         results["ours"].append(ours(args, out, r, model_dir))
         print(f"ours repeat {r}: {time.perf_counter() - t0:.0f} s", flush=True)
+        order = out / f"order-r{r}.json"
+        order.write_text(json.dumps(results["ours"][-1]["prompt_order"]))
         t0 = time.perf_counter()
         proc = subprocess.run(
             [
@@ -224,6 +276,9 @@ def main() -> int:
                 str(r),
                 "--model",
                 model_dir,
+                "--order",
+                str(order),
+                *(["--config", args.config] if args.config else []),
                 "--steps",
                 str(args.steps),
                 "--prompts",
@@ -262,8 +317,24 @@ def main() -> int:
             f"{k:8} {t['step_s']:7.2f} {t['samples_per_s']:10.2f} {t['tokens_per_s']:10.1f} {t['tokens_per_sample']:10.1f} {t['reward']:7.3f}"
         )
     print(f"ours / TRL: samples/s {ratio['samples_per_s']:.2f}x, generated tokens/s {ratio['tokens_per_s']:.2f}x")
+    for k in ("ours", "trl"):
+        for r, run in enumerate(results[k]):
+            print(f"{k} repeat {r} reward per step: " + " ".join(f"{x:+.3f}" for x in run["reward_curve"]))
+    reasons = [run["finish_reasons"] for run in results["ours"]]
+    kinds = sorted({k for r in reasons for k in r})
+    print("ours, how samples ended: " + ", ".join(f"{k} {sum(r.get(k, 0) for r in reasons)}" for k in kinds))
     Path(args.out).write_text(
-        json.dumps({"config": vars(args), "model": model_dir, "table": table, "ratio": ratio, "raw": results}, indent=1)
+        json.dumps(
+            {
+                "config": vars(args),
+                "model": model_dir,
+                "machine": machine_record(),
+                "table": table,
+                "ratio": ratio,
+                "raw": results,
+            },
+            indent=1,
+        )
     )
     print(f"wrote {args.out}")
     return 0

@@ -39,9 +39,14 @@ def write_checkpoint(root, step: int) -> Path:
     return path
 
 
+def benchmark_module(name: str):
+    """``benchmarks/<name>.py``, imported from its file (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def compare_module():
-    """benchmarks/compare_algorithms.py, imported from its file (benchmarks/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("compare_algorithms", REPO / "benchmarks" / "compare_algorithms.py")
-    compare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compare)
-    return compare
+    """benchmarks/compare_algorithms.py."""
+    return benchmark_module("compare_algorithms")

@@ -549,6 +549,12 @@ class TrainerConfig:
     eval_size: int = option(
         200, "Held-out problems per family per evaluation (the bundled test split has tasks.test_size)."
     )
+    reuse_eval_before: bool = option(
+        True,
+        "Reuse the starting policy's held-out result when an equal evaluation ran before (the same weights, problems, "
+        "evaluation and engine settings and package source; cached under run.artifacts_dir/eval_before/): every "
+        "arm and seed of a comparison then shares one baseline, and skips ~4 min on the real model.",
+    )
     seed: int = option(0, "Seed of the RL run (prompt order, sampling, mini-batch order).")
     sft_seed: int = option(
         0,

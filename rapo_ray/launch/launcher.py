@@ -33,6 +33,7 @@ from rapo_ray.pipelines.cold_start import cold_start
 from rapo_ray.pipelines.sft import warm_start
 from rapo_ray.retrieval.service import build_app
 from rapo_ray.retrieval.store import MilvusLiteServer
+from rapo_ray.training import eval_cache
 from rapo_ray.training.checkpoints import newest_complete
 from rapo_ray.training.reporting import MetricsLog, Progress, before_after_table, fmt_eval, paired_changes, plot_curves
 from rapo_ray.training.trainer import Trainer, rl_task_pool
@@ -303,6 +304,22 @@ def starting_policy(cfg: Config, log=print) -> Path:
     return Path(warm_start(cfg, log=log))
 
 
+def evaluate_starting_policy(cfg: Config, trainer, model_dir: Path, log=print) -> tuple[dict, dict]:
+    """The starting policy's held-out (metrics, problem id -> solved): from the shared cache when an equal
+    evaluation ran before (``trainer.reuse_eval_before``; ``training.eval_cache``), else evaluated and cached."""
+    if not cfg.trainer.reuse_eval_before:
+        ev = trainer.evaluate()
+        return ev.metrics, ev.problems
+    path = eval_cache.cache_path(cfg, eval_cache.eval_key(cfg, model_dir, trainer.eval_groups()))
+    cached = eval_cache.load_cached(path)
+    if cached is not None:
+        log(f"held-out before training: reusing {path} (same weights, problems, settings and code)")
+        return cached
+    ev = trainer.evaluate()
+    eval_cache.store(path, ev.metrics, ev.problems, model_dir)
+    return ev.metrics, ev.problems
+
+
 # ---------------------------------------------------------------- the launcher: the whole topology
 
 
@@ -346,8 +363,7 @@ def run(cfg: Config, log=print) -> dict:
             before = saved
         else:
             trainer.sync_weights()
-            ev = trainer.evaluate()
-            before, before_problems = ev.metrics, ev.problems
+            before, before_problems = evaluate_starting_policy(cfg, trainer, model_dir, log)
             before_path.write_text(json.dumps({**before, "problems": before_problems}, indent=1))
             log("held-out before training: " + fmt_eval(before))
         # 4. train; a lost learner (node loss) rebuilds the learners and fleet from the last checkpoint

@@ -32,7 +32,7 @@ def cold_start_dir(cfg, base: Path) -> Path:
     source = base / "converted_from.json"
     key = json.dumps(
         [
-            str(base),
+            str(base.resolve()),  # the same folder named relatively or absolutely is the same cold start
             json.loads(source.read_text()).get("sha256") if source.is_file() else None,
             c.examples,
             str(c.file),

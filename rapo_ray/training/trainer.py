@@ -174,11 +174,14 @@ class Trainer:
 
     # ------------------------------------------------------------ evaluation and checkpoints
 
+    def eval_groups(self, limit: int | None = None) -> list[tuple]:
+        """(group id, Task) of the held-out problems: the first ``limit`` per family (default trainer.eval_size)."""
+        limit = limit or self.cfg.trainer.eval_size
+        return [(f"eval-{t.id}", t) for ts in self.test_tasks.values() for t in ts[:limit]]
+
     def evaluate(self, limit: int | None = None) -> EvalResult:
         """Greedy pass@1 on the held-out tasks (first ``limit`` per family; default ``trainer.eval_size``)."""
-        limit = limit or self.cfg.trainer.eval_size
-        groups = [(f"eval-{t.id}", t) for ts in self.test_tasks.values() for t in ts[:limit]]
-        batch, _ = self.fleet.run_step(groups, 1, seed=0, evaluation=True)
+        batch, _ = self.fleet.run_step(self.eval_groups(limit), 1, seed=0, evaluation=True)
         metrics: dict[str, float] = {}
         for fam in self.test_tasks:
             result = family_result([t for t in batch if family_of(t.problem_id) == fam])

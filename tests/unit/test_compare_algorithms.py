@@ -20,3 +20,76 @@ def test_compare_flags_a_reward_earned_with_a_retrieved_answer_after_wrong_own_s
     own = "<search>neighbor of Dohimi</search><result>...</result><search>sibling of Tupaka</search>"
     assert compare.leak_flags(own, shown, "Fuhimi", expert) == (False, False)  # on the path, answer not shown
     assert compare.leak_flags(own, shown, "", expert) == (False, False)  # no answer: nothing shown
+
+
+class CharTokenizer:
+    """One token per character: ``decode`` turns code points back into text."""
+
+    @staticmethod
+    def encode(text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    @staticmethod
+    def decode(ids) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+def row_of(*parts: tuple[str, str], answer: str = "") -> dict:
+    """A trajectory row as the run's parquet holds it: response ids and (kind, start, end) segments."""
+    ids, segments = [], []
+    for kind, text in parts:
+        segments.append({"kind": kind, "start": len(ids), "end": len(ids) + len(text)})
+        ids += CharTokenizer.encode(text)
+    return {"response_ids": ids, "segments": segments, "answer": answer}
+
+
+def test_next_step_calls_counts_only_tool_calls_that_ran_right_after_a_retrieved_block():
+    compare = compare_module()
+    row = row_of(
+        ("generated", "<think>start</think><python>print(2)</python>"),
+        ("tool_result", "<result>2</result>"),
+        ("retrieved", "<retrieve><python>print(48/2)</python><result>24.0</result></retrieve>"),
+        ("generated", "<think>then</think><python>print(24*3)</python>"),  # a call that ran: counted
+        ("tool_result", "<result>72</result>"),
+        ("retrieved", "<retrieve><python>print(72+1)</python><result>73</result></retrieve>"),
+        ("generated", "<answer>\\boxed{73}</answer>"),  # an answer, not a call
+    )
+    assert compare.next_step_calls(CharTokenizer, row) == (2, 1)
+    # a step that is cut off (no tool result follows) is not a call that ran
+    cut = row_of(("retrieved", "<retrieve>x</retrieve>"), ("generated", "<python>print(1"))
+    assert compare.next_step_calls(CharTokenizer, cut) == (1, 0)
+    texts = compare.segment_texts(CharTokenizer, row)
+    assert texts["tool_result"] == "<result>2</result><result>72</result>"
+    assert texts["retrieved"].count("<retrieve>") == 2
+    # the answer 73 was shown by a retrieved block and none of the rollout's own results: handed
+    assert compare.answer_handed("73", texts["retrieved"], texts["tool_result"])
+    assert not compare.answer_handed("72", texts["retrieved"], texts["tool_result"])  # its own tool produced it
+
+
+def test_tables_report_the_retrieved_step_use_pooled_over_seeds():
+    """The per-slot-kind use of retrieved steps (#38): step counts summed over seeds, shares as mean ± std."""
+    compare = compare_module()
+
+    def run(method, seed, before, after, use):
+        return {
+            "method": method,
+            "seed": seed,
+            "before": {"eval/gsm8k/accuracy": before, "eval/mean_accuracy": before},
+            "after": {"eval/gsm8k/accuracy": after, "eval/mean_accuracy": after},
+            "per_step": {"step_s": 50.0, "retrieve_s": 0.2},
+            "rewards": {},
+            "retrieved_steps": {"gsm8k": use} if use else {},
+        }
+
+    use0 = {"next_steps": 10, "next_step_tool_call": 0.6, "answered": 4, "answer_handed": 0.25}
+    use1 = {"next_steps": 30, "next_step_tool_call": 0.8, "answered": 8, "answer_handed": 0.0}
+    text = compare.tables(
+        [
+            run("grpo", 0, 0.03, 0.02, None),
+            run("rapo", 0, 0.03, 0.04, use0),
+            run("rapo", 1, 0.03, 0.05, use1),
+        ]
+    )
+    assert "| rapo | gsm8k | 40 | 0.700 ± 0.141 | 12 | 0.125 ± 0.177 |" in text
+    assert "| rapo | 0.045 ± 0.007 | 0.045 ± 0.007 | 0.015 ± 0.007 |" in text  # accuracy, and its change
+    assert "| grpo | gsm8k" not in text  # GRPO never retrieves

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 
 from rapo_ray.agent.loop import AgentLoop
@@ -138,3 +141,20 @@ def test_rl_questions_of_a_data_file_come_after_its_cold_start_head(tiny_cfg, tm
     cold = replace(cfg, cold_start=replace(cfg.cold_start, examples=4, file=str(data)))
     pool, _ = rl_task_pool(cold)
     assert [t.question for t in pool["gsm"]] == [f"q{i}?" for i in range(4, 10)]
+
+
+def test_a_cold_start_is_found_whether_its_base_model_is_named_relatively_or_absolutely(
+    tiny_cfg, tmp_path, monkeypatch
+):
+    """A benchmark passing ``--artifacts /abs/artifacts`` must find the cold start that ``artifacts/`` built."""
+    from rapo_ray.pipelines.cold_start import cold_start_dir
+
+    (tmp_path / "artifacts" / "models" / "m").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    relative = cold_start_dir(tiny_cfg, Path("artifacts/models/m"))
+    absolute = cold_start_dir(tiny_cfg, tmp_path / "artifacts" / "models" / "m")
+    assert relative == absolute
+    other = cold_start_dir(
+        replace(tiny_cfg, cold_start=replace(tiny_cfg.cold_start, steps=41)), Path("artifacts/models/m")
+    )
+    assert other != relative  # a different recipe is a different cold start
