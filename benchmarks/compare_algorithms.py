@@ -328,38 +328,45 @@ def tables(results: list[dict]) -> str:
                     for k in kinds
                 ]
                 lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    wins = [(r["method"], fam, w) for r in results for fam, w in r.get("retrieved_wins", {}).items()]
-    if wins:
-        lines += [
-            "",
-            "| method | family | rewarded rollouts with a retrieved step | answer shown by a retrieved block | "
-            "a search of its own off the expert's path |",
-            "|---|---|---|---|---|",
-        ]
-        for method in METHODS:
-            for fam in sorted({f for m, f, _ in wins if m == method}):
-                ws = [w for m, f, w in wins if m == method and f == fam]
-                lines.append(
-                    f"| {method} | {fam} | {sum(w['rewarded'] for w in ws)} | "
-                    f"{_ms([w['answer_in_retrieved'] for w in ws])} | {_ms([w['own_wrong_search'] for w in ws])} |"
-                )
-    used = [(r["method"], fam, u) for r in results for fam, u in r.get("retrieved_steps", {}).items()]
-    if used:
-        lines += [
-            "",
-            "| method | family | steps after a retrieved block | of them a tool call that ran | "
-            "answers given after one | answer shown only by a retrieved block |",
-            "|---|---|---|---|---|---|",
-        ]
-        for method in METHODS:
-            for fam in sorted({f for m, f, _ in used if m == method}):
-                us = [u for m, f, u in used if m == method and f == fam]
-                lines.append(
-                    f"| {method} | {fam} | {sum(u['next_steps'] for u in us)} | "
-                    f"{_ms([u['next_step_tool_call'] for u in us])} | {sum(u['answered'] for u in us)} | "
-                    f"{_ms([u['answer_handed'] for u in us])} |"
-                )
+    lines += family_table(
+        results,
+        "retrieved_wins",
+        [
+            ("rewarded", "rewarded rollouts with a retrieved step", True),
+            ("answer_in_retrieved", "answer shown by a retrieved block", False),
+            ("own_wrong_search", "a search of its own off the expert's path", False),
+        ],
+    )
+    lines += family_table(
+        results,
+        "retrieved_steps",
+        [
+            ("next_steps", "steps after a retrieved block", True),
+            ("next_step_tool_call", "of them a tool call that ran", False),
+            ("answered", "answers given after one", True),
+            ("answer_handed", "answer shown only by a retrieved block", False),
+        ],
+    )
     return "\n".join(lines)
+
+
+def family_table(results: list[dict], field: str, columns: list[tuple[str, str, bool]]) -> list[str]:
+    """Markdown rows of one per-family run reading (``field``: family -> values) per method and family; each column
+    is (key, title, is a count): counts are summed over seeds, shares given as mean ± std over seeds."""
+    rows = [(r["method"], fam, v) for r in results for fam, v in r.get(field, {}).items()]
+    if not rows:
+        return []
+    out = [
+        "",
+        "| method | family | " + " | ".join(t for _, t, _ in columns) + " |",
+        "|---|---|" + "---|" * len(columns),
+    ]
+    for method in METHODS:
+        for fam in sorted({f for m, f, _ in rows if m == method}):
+            vs = [v for m, f, v in rows if m == method and f == fam]
+            cells = [str(sum(v[k] for v in vs)) if count else _ms([v[k] for v in vs]) for k, _, count in columns]
+            out.append(f"| {method} | {fam} | " + " | ".join(cells) + " |")
+    return out
 
 
 def plot(results: list[dict], path: Path) -> None:
