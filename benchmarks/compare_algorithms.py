@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 METHODS = {
     "grpo": ["algo.name=grpo"],
-    "arpo": ["algo.name=arpo", "algo.arpo.initial_rollouts=8"],
+    "arpo": ["algo.name=arpo"],  # N full samples = the config's algo.arpo.initial_rollouts (half the group)
     "rapo": ["algo.name=rapo"],
     "rapo w/o RR": ["algo.name=rapo", "algo.rapo.use_retrieval_reward=false"],
     "rapo w/o RIS": ["algo.name=rapo", "algo.rapo.use_importance_shaping=false"],
