@@ -16,14 +16,21 @@ def file_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def write_json_atomic(path: str | Path, data, **dumps_kwargs) -> Path:
+    """Write ``data`` as JSON to ``path`` through a temporary name and a rename, so a reader (or a crash) sees the
+    previous file or the new one, never half of one. ``dumps_kwargs`` go to ``json.dumps`` (default ``indent=1``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, **{"indent": 1, **dumps_kwargs}) + "\n")
+    tmp.replace(path)
+    return path
+
+
 def merge_json_entry(path: str | Path, key: str, value) -> Path:
     """Set ``key`` to ``value`` in the JSON object at ``path`` (created if missing), keeping its other entries: the
-    results file a benchmark shares across checkpoints or devices. Written to a temporary name and renamed."""
+    results file a benchmark shares across checkpoints or devices."""
     path = Path(path)
     data = json.loads(path.read_text()) if path.is_file() else {}
     data[key] = value
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
-    return path
+    return write_json_atomic(path, data)

@@ -24,6 +24,7 @@ from rapo_ray.algos.registry import get_algorithm
 from rapo_ray.config import Config, diff_configs, from_dict, save_config
 from rapo_ray.core.devices import machine_record
 from rapo_ray.core.errors import ConfigError, LearnerLost
+from rapo_ray.core.files import write_json_atomic
 from rapo_ray.core.net import free_port
 from rapo_ray.launch import ray_reaper
 from rapo_ray.launch.plan import fit_cpus, resource_needs
@@ -364,7 +365,7 @@ def run(cfg: Config, log=print) -> dict:
         else:
             trainer.sync_weights()
             before, before_problems = evaluate_starting_policy(cfg, trainer, model_dir, log)
-            before_path.write_text(json.dumps({**before, "problems": before_problems}, indent=1))
+            write_json_atomic(before_path, {**before, "problems": before_problems})
             log("held-out before training: " + fmt_eval(before))
         # 4. train; a lost learner (node loss) rebuilds the learners and fleet from the last checkpoint
         failures = 0
@@ -408,7 +409,7 @@ def run(cfg: Config, log=print) -> dict:
         final = trainer.evaluate()
         after = final.metrics
         metrics.log({"step": trainer.step_idx, **after})
-        (run_dir.path / "eval_after.json").write_text(json.dumps({**after, "problems": final.problems}, indent=1))
+        write_json_atomic(run_dir.path / "eval_after.json", {**after, "problems": final.problems})
         ck = trainer.save()
         change = paired_changes(before_problems, final.problems)
         summary = {
@@ -422,7 +423,7 @@ def run(cfg: Config, log=print) -> dict:
             "mean_step_s": metrics.mean("step_s"),
             "machine": machine_record(),
         }
-        (run_dir.path / "summary.json").write_text(json.dumps(summary, indent=1))
+        write_json_atomic(run_dir.path / "summary.json", summary)  # its presence marks a finished run
         plot_curves(run_dir.path, metrics.history)
         log("held-out after training:  " + fmt_eval(after))
         log(before_after_table(before, after, change))

@@ -35,6 +35,7 @@ from rapo_ray.agent.retriever import StoredStep, steps_of
 from rapo_ray.agent.turns import AgentTurns
 from rapo_ray.config import Config, from_dict, to_dict
 from rapo_ray.core.errors import DataError, StoreError
+from rapo_ray.core.files import write_json_atomic
 from rapo_ray.engines import make_engine
 from rapo_ray.envs.loaders import gsm8k_solutions, gsm8k_trajectory_parts
 from rapo_ray.envs.suite import build_tools
@@ -330,11 +331,10 @@ def read_manifest(manifest: Path, collection: str, fingerprint: dict | None = No
 
 
 def _write_manifest(manifest: Path, done: set[str], fingerprint: dict) -> None:
-    tmp = manifest.with_suffix(".tmp")  # atomic: a crash leaves the previous manifest
-    tmp.write_text(
-        json.dumps({"embedder_version": EMBEDDER_VERSION, "built_for": fingerprint, "questions": sorted(done)})
+    # atomic: a crash leaves the previous manifest
+    write_json_atomic(
+        manifest, {"embedder_version": EMBEDDER_VERSION, "built_for": fingerprint, "questions": sorted(done)}
     )
-    tmp.replace(manifest)
 
 
 def build_buffer(cfg, model_dir: str, uri: str, tasks: list, manifest: Path, log=print) -> BufferReport:

@@ -9,11 +9,10 @@ place; ``newest_complete`` is what a resume loads: the newest checkpoint whose f
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from rapo_ray.core.errors import CheckpointError
-from rapo_ray.core.files import file_sha256
+from rapo_ray.core.files import file_sha256, write_json_atomic
 
 MANIFEST = "MANIFEST.json"
 
@@ -27,9 +26,7 @@ def write_manifest(folder: Path) -> None:
         for p in sorted(folder.rglob("*"))
         if p.is_file() and p.name != MANIFEST
     }
-    tmp = folder / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps({"files": files}, indent=1))
-    os.replace(tmp, folder / MANIFEST)
+    write_json_atomic(folder / MANIFEST, {"files": files})
 
 
 def problem(folder: Path, hashes: bool = True) -> str | None:

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from rapo_ray.agent.turns import LoopSettings
-from rapo_ray.core.files import file_sha256
+from rapo_ray.core.files import file_sha256, write_json_atomic
 
 PACKAGE = Path(__file__).resolve().parents[1]  # rapo_ray/
 
@@ -66,11 +66,8 @@ def load_cached(path: Path) -> tuple[dict, dict] | None:
 
 
 def store(path: Path, metrics: dict, problems: dict, model_dir: str | Path) -> None:
-    """Write a cache entry atomically (a temporary name, then a rename): a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"model_dir": str(model_dir), "metrics": metrics, "problems": problems}, indent=1))
-    tmp.replace(path)
+    """Write a cache entry atomically: a reader never sees half a file."""
+    write_json_atomic(path, {"model_dir": str(model_dir), "metrics": metrics, "problems": problems})
 
 
 __all__ = ["cache_path", "eval_key", "load_cached", "source_sha256", "store", "weights_sha256"]

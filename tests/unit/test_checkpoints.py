@@ -53,4 +53,17 @@ def test_merge_json_entry_keeps_the_other_entries(tmp_path):
     merge_json_entry(out, "cuda", {"gap": 2})
     merge_json_entry(out, "cpu", {"gap": 3})
     assert json.loads(out.read_text()) == {"cpu": {"gap": 3}, "cuda": {"gap": 2}}
-    assert not list(out.parent.glob("*.tmp"))
+    assert list(out.parent.iterdir()) == [out]  # no temporary file left behind
+
+
+def test_write_json_atomic_keeps_the_previous_file_when_the_new_one_cannot_be_written(tmp_path):
+    import json
+
+    from rapo_ray.core.files import write_json_atomic
+
+    out = tmp_path / "summary.json"
+    write_json_atomic(out, {"steps": 3})
+    with pytest.raises(TypeError):
+        write_json_atomic(out, {"steps": object()})  # not JSON: fails before anything is written
+    assert json.loads(out.read_text()) == {"steps": 3}
+    assert list(tmp_path.iterdir()) == [out]
