@@ -53,6 +53,9 @@ METHODS = {
     "rapo handed-unpaid": ["algo.name=rapo", "algo.rapo.reward_retrieved_answers=false"],
     # the buffer's source (data-file tasks only): human GSM8K calculator steps instead of the policy's own samples
     "rapo solutions-buffer": ["algo.name=rapo", "retrieval.buffer_source=solutions"],
+    # the step-retrieval backend (retrieval.embedder): cheaper ways to match histories than MiniLM fp32
+    "rapo onnx-int8": ["algo.name=rapo", "retrieval.embedder=minilm-onnx-int8"],
+    "rapo bm25": ["algo.name=rapo", "retrieval.embedder=bm25"],
 }
 TOOL_OPEN_TAGS = (protocol.PYTHON[0], protocol.SEARCH[0])
 DEFAULT_METHODS = ["grpo", "arpo", "rapo", "rapo w/o RR", "rapo w/o RIS"]

@@ -87,6 +87,7 @@ def _apply(obj, data: dict, prefix: str = "") -> None:
             _apply(current, value, full + ".")
             continue
         new = _coerce(value, hints[key], full)
+        new = fields[key].metadata.get("aliases", {}).get(new, new) if isinstance(new, str) else new
         choices = fields[key].metadata.get("choices")
         if choices and new not in choices:
             raise ConfigError(f"{full}: {new!r} is not one of {list(choices)}")

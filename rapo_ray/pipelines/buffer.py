@@ -41,7 +41,8 @@ from rapo_ray.envs.loaders import gsm8k_solutions, gsm8k_trajectory_parts
 from rapo_ray.envs.suite import build_tools
 from rapo_ray.model.factory import context_length, load_model_and_tokenizer, load_tokenizer, set_torch_threads
 from rapo_ray.pipelines.sft import expert_trajectories
-from rapo_ray.retrieval.embedder import DIM, EMBEDDER_VERSION, Embedder
+from rapo_ray.retrieval.backends import backend_fingerprint, make_encoder
+from rapo_ray.retrieval.embedder import DIM, EMBEDDER_VERSION
 from rapo_ray.retrieval.search_index import search_index_for
 from rapo_ray.retrieval.store import MilvusStepStore
 from rapo_ray.types.trajectory import GENERATED, ON_POLICY, TOOL_RESULT, Task, Trajectory
@@ -201,11 +202,11 @@ SAMPLERS = {"scripted-expert": ExpertSampler, "policy": PolicySampler, "solution
 
 
 class EmbedStep:
-    """Ray Data callable (actor pool): adds the key embedding."""
+    """Ray Data callable (actor pool): adds the key's vector (``retrieval.embedder``'s encoder)."""
 
-    def __init__(self, pooling: str, max_chars: int):
+    def __init__(self, backend: str, files: str, pooling: str, max_chars: int):
         set_torch_threads(1)
-        self.embedder = Embedder(pooling=pooling, max_chars=max_chars)
+        self.embedder = make_encoder(backend, files, pooling, max_chars)
 
     def __call__(self, batch: dict) -> dict:
         batch["vector"] = self.embedder.embed(list(batch["key"]))
@@ -265,6 +266,7 @@ def buffer_fingerprint(cfg, model_dir: str) -> dict:
         "retrieval.buffer_keep_top_k": rc.buffer_keep_top_k,
         "retrieval.pooling": rc.pooling,
         "retrieval.query_max_chars": rc.query_max_chars,
+        **backend_fingerprint(rc.embedder),
         "rollout.max_response_tokens": ro.max_response_tokens,
         "rollout.max_step_tokens": ro.max_step_tokens,
         "rollout.max_tool_calls": ro.max_tool_calls,
@@ -337,9 +339,12 @@ def _write_manifest(manifest: Path, done: set[str], fingerprint: dict) -> None:
     )
 
 
-def build_buffer(cfg, model_dir: str, uri: str, tasks: list, manifest: Path, log=print) -> BufferReport:
+def build_buffer(
+    cfg, model_dir: str, uri: str, tasks: list, manifest: Path, log=print, embedder_files: str = ""
+) -> BufferReport:
     """Sample, filter, split, embed and upsert the buffer for ``tasks`` (loop ``Task``s) into the collection
-    ``retrieval.collection`` (resolve an empty one with ``with_buffer_collection`` first)."""
+    ``retrieval.collection`` (resolve an empty one with ``with_buffer_collection`` first). ``embedder_files``: what
+    ``prepare_backend`` returned for ``retrieval.embedder``."""
     t0 = time.perf_counter()
     collection = cfg.retrieval.collection
     if not collection:
@@ -372,7 +377,12 @@ def build_buffer(cfg, model_dir: str, uri: str, tasks: list, manifest: Path, log
         )
         ds = ds.map_batches(
             EmbedStep,
-            fn_constructor_args=(cfg.retrieval.pooling, cfg.retrieval.query_max_chars),
+            fn_constructor_args=(
+                cfg.retrieval.embedder,
+                embedder_files,
+                cfg.retrieval.pooling,
+                cfg.retrieval.query_max_chars,
+            ),
             batch_size=256,
             compute=ray.data.ActorPoolStrategy(size=1),
             num_cpus=1,

@@ -103,19 +103,13 @@ class Embedder:
             raise ValueError(f"pooling must be 'last' or 'mean', got {pooling!r}")
         self.device = parse_device(device)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoTokenizer
 
         path = minilm_path()
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         self.tokenizer.padding_side = "left"
-        self.model = AutoModel.from_pretrained(str(path)).eval().to(self.device)
-        # last-token pooling: the model runs all layers but the last; ``last_position_of_layer`` finishes it
-        self._last_layer = None
-        if pooling == "last" and last_position_only:
-            self._last_layer = self.model.encoder.layer[-1]
-            self.model.encoder.layer = self.model.encoder.layer[:-1]
         self.pooling, self.max_chars, self.max_length, self.batch_size = pooling, max_chars, max_length, batch_size
-        self.dim = int(self.model.config.hidden_size)
+        self._load_model(path, last_position_only)
         if cache_size < 0:
             raise ValueError(f"cache_size must be >= 0, got {cache_size}")
         self.cache_size = cache_size
@@ -123,6 +117,17 @@ class Embedder:
         self._cache_lock = threading.Lock()  # a Serve replica may run its sync methods (insert) on other threads
         self.cache_hits = self.cache_misses = 0
         self.pad_slack = (0.1 if self.device.type == "cpu" else float("inf")) if pad_slack is None else pad_slack
+
+    def _load_model(self, path: Path, last_position_only: bool) -> None:
+        from transformers import AutoModel
+
+        self.model = AutoModel.from_pretrained(str(path)).eval().to(self.device)
+        # last-token pooling: the model runs all layers but the last; ``last_position_of_layer`` finishes it
+        self._last_layer = None
+        if self.pooling == "last" and last_position_only:
+            self._last_layer = self.model.encoder.layer[-1]
+            self.model.encoder.layer = self.model.encoder.layer[:-1]
+        self.dim = int(self.model.config.hidden_size)
 
     def embedded_text(self, text: str) -> str:
         """The part of ``text`` that decides its vector (two texts with the same one get the same vector)."""
@@ -160,26 +165,38 @@ class Embedder:
         ``batch_size`` whose padded size (longest x count) stays within ``1 + pad_slack`` of their real tokens."""
         return length_sorted_groups(lengths, self.batch_size, self.pad_slack)
 
+    def forward_tensors(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """[B, D] unit vectors of a left-padded batch [B, T] (what ``onnx_embedder`` exports as its graph)."""
+        hidden = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        ).last_hidden_state
+        if self._last_layer is not None:  # left padding: the last position is every row's last real token
+            vec = last_position_of_layer(self._last_layer, hidden, attention_mask)
+        elif self.pooling == "last":
+            vec = hidden[:, -1, :]
+        else:
+            m = attention_mask.unsqueeze(-1).to(hidden.dtype)
+            vec = (hidden * m).sum(1) / m.sum(1).clamp(min=1)
+        return F.normalize(vec.float(), dim=-1)
+
     @torch.inference_mode()
+    def batch_vectors(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+        """[B, D] float32 unit vectors of one padded sub-batch (int64 arrays [B, T])."""
+        args = [torch.from_numpy(a).to(self.device) for a in (input_ids, attention_mask, position_ids)]
+        return self.forward_tensors(*args).cpu().numpy()
+
     def _embed_unique(self, texts: list[str]) -> np.ndarray:
         enc = self.tokenizer(texts, truncation=True, max_length=self.max_length)
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
         for rows in self.sub_batches([len(ids) for ids in enc["input_ids"]]):
-            batch = self.tokenizer.pad(
-                {k: [enc[k][r] for r in rows] for k in enc.keys()}, padding=True, return_tensors="pt"
-            )
-            batch = {k: v.to(self.device) for k, v in batch.items()}
+            batch = self.tokenizer.pad({k: [enc[k][r] for r in rows] for k in enc.keys()}, padding=True)
+            ids = np.asarray(batch["input_ids"], dtype=np.int64)
+            mask = np.asarray(batch["attention_mask"], dtype=np.int64)
             # positions 0.. from each row's first real token, whatever the padding (see the module docstring)
-            positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-            hidden = self.model(**batch, position_ids=positions).last_hidden_state
-            if self._last_layer is not None:  # left padding: the last position is every row's last real token
-                vec = last_position_of_layer(self._last_layer, hidden, batch["attention_mask"])
-            elif self.pooling == "last":
-                vec = hidden[:, -1, :]
-            else:
-                m = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-                vec = (hidden * m).sum(1) / m.sum(1).clamp(min=1)
-            out[rows] = torch.nn.functional.normalize(vec.float(), dim=-1).cpu().numpy()
+            positions = np.clip(mask.cumsum(-1) - 1, 0, None)
+            out[rows] = self.batch_vectors(ids, mask, positions)
         return out
 
     __call__ = embed

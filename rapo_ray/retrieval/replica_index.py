@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from rapo_ray.agent.retriever import RetrievedStep
+from rapo_ray.retrieval.lexical import Bm25Index
 from rapo_ray.retrieval.store import KEY_CHARS
 
 _FIELDS = ["id", "vector", "key", "value", "value_ids", "reward", "question_id"]
@@ -44,6 +45,7 @@ class ReplicaIndex:
         self._row_of: dict[str, int] = {}
         self._payload: list[tuple[str, str, float, str]] = []  # value, value_ids JSON, reward, question_id
         self._rows_of_question: dict[str, set[int]] = {}  # for question_scope=own: no scan over every row
+        self._max_id = ""  # rows are kept in id order (ties rank by row): a smaller new id renumbers them
 
     @classmethod
     def from_store(cls, store, batch_size: int = 2000, key_text: Callable[[str], str] | None = None) -> "ReplicaIndex":
@@ -52,16 +54,16 @@ class ReplicaIndex:
         it = store.client.query_iterator(store.collection, batch_size=batch_size, filter="", output_fields=_FIELDS)
         try:
             while rows := it.next():
-                index.add_rows(rows)
+                index.add_rows(rows)  # rows come in no fixed order; ``add`` keeps them in id order
         finally:
             it.close()
-        index._order_rows_by_id()
         return index
 
-    def _order_rows_by_id(self) -> None:
+    def _order_rows_by_id(self) -> np.ndarray:
         """Renumber rows in id order. A search breaks score ties by row order, and Milvus's iterator returns rows
-        in no fixed order: without this, two replicas (or two runs) loading one collection could hand different
-        steps of equal score to the same query (RESULTS, The default run)."""
+        in no fixed order: without this, two replicas (or two runs) loading one collection, or a replica that
+        inserted steps and the one restarted after it, could hand different steps of equal score to the same query
+        (RESULTS, The default run)."""
         order = sorted(self._row_of, key=lambda i: i)
         new_of_old = np.empty(self._n, dtype=np.int64)
         for new, i in enumerate(order):
@@ -72,6 +74,7 @@ class ReplicaIndex:
         self._row_of = {i: int(new_of_old[r]) for i, r in self._row_of.items()}
         self._rows_of_question = {q: {int(new_of_old[r]) for r in rows} for q, rows in self._rows_of_question.items()}
         self._row_of_key = {k: int(new_of_old[r]) for k, r in self._row_of_key.items()}
+        return old_rows  # row i is now what row old_rows[i] was
 
     def add_rows(self, rows: Sequence[dict]) -> None:
         """Add collection rows (``store.step_rows`` output, or rows read back from Milvus)."""
@@ -99,9 +102,12 @@ class ReplicaIndex:
             raise ValueError(f"{len(ids)} ids, {len(vectors)} vectors, {len(payloads)} payloads and {len(keys)} keys")
         if len(ids) and vectors.shape[1] != self.dim:
             raise ValueError(f"vectors have dim {vectors.shape[1]}, the index has {self.dim}")
+        out_of_order = False
         for i, v, p, key in zip(ids, vectors, payloads, keys):
             row = self._row_of.get(i)
             if row is None:
+                out_of_order |= self._n > 0 and i < self._max_id
+                self._max_id = max(self._max_id, i)
                 row = self._row_of[i] = self._n
                 self._n += 1
                 self._payload.append(p)
@@ -117,6 +123,12 @@ class ReplicaIndex:
             # a key of KEY_CHARS characters may have been cut by the store: its vector is of the uncut text
             if self.key_text is not None and key is not None and len(key) < KEY_CHARS:
                 self._row_of_key[_digest(self.key_text(key))] = row
+            self._added(row, key)
+        if out_of_order:
+            self._order_rows_by_id()
+
+    def _added(self, row: int, key: str | None) -> None:
+        """Row ``row`` was just set (appended or replaced) with key text ``key``: a hook for subclasses."""
 
     def key_vectors(self, texts: Sequence[str]) -> list[np.ndarray | None]:
         """Per text, the stored vector of a key whose embedded text equals the text's, else None (always None
@@ -129,13 +141,19 @@ class ReplicaIndex:
     def search(
         self, vectors: np.ndarray, top_k: int = 3, question_filter: Sequence[tuple[str, str] | None] | None = None
     ) -> list[list[RetrievedStep]]:
-        """Top-k rows by inner product per query, best first. ``question_filter[i]`` for query i: None (any row),
-        ("other", qid) (skip rows of question qid) or ("own", qid) (only rows of question qid)."""
+        """Top-k rows by inner product per query vector, best first (``rank``)."""
         if len(vectors) == 0:
             return []
         if self._n == 0:
             return [[] for _ in vectors]
-        scores = np.asarray(vectors, dtype=np.float32) @ self._vectors[: self._n].T  # [Q, N]
+        return self.rank(np.asarray(vectors, dtype=np.float32) @ self._vectors[: self._n].T, top_k, question_filter)
+
+    def rank(
+        self, scores: np.ndarray, top_k: int = 3, question_filter: Sequence[tuple[str, str] | None] | None = None
+    ) -> list[list[RetrievedStep]]:
+        """Per query, the ``top_k`` rows of highest ``scores`` [Q, N] (ties: the lower row, i.e. the smaller id),
+        best first. ``question_filter[i]`` for query i: None (any row), ("other", qid) (skip rows of question qid)
+        or ("own", qid) (only rows of question qid)."""
         out = []
         for q, row_scores in enumerate(scores):
             scope, qid = question_filter[q] if question_filter and question_filter[q] else ("any", None)
@@ -166,3 +184,43 @@ class ReplicaIndex:
                 ]
             )
         return out
+
+
+class LexicalReplicaIndex(ReplicaIndex):
+    """A ``ReplicaIndex`` ranked by BM25 over the rows' key texts (``retrieval.embedder=bm25``) instead of by their
+    vectors. Built from the keys Milvus stores, so a restarted replica ranks exactly as the one before it."""
+
+    def __init__(self, dim: int, key_text: Callable[[str], str]):
+        """``key_text``: the cut both keys and queries get before their terms are counted (``preprocess``)."""
+        super().__init__(dim)  # no key_vectors shortcut: a BM25 query is never embedded
+        self.cut = key_text
+        self.bm25 = Bm25Index()
+
+    def _order_rows_by_id(self) -> np.ndarray:
+        old_rows = super()._order_rows_by_id()
+        self.bm25.reorder(old_rows)
+        return old_rows
+
+    def add(
+        self,
+        ids: Sequence[str],
+        vectors: np.ndarray,
+        payloads: Sequence[tuple[str, str, float, str]],
+        keys: Sequence[str | None] | None = None,
+    ) -> None:
+        if keys is None or any(k is None for k in keys):
+            raise ValueError("a BM25 replica index ranks by key text: every added row needs its key")
+        super().add(ids, vectors, payloads, keys)
+
+    def _added(self, row: int, key: str | None) -> None:
+        self.bm25.set(row, self.cut(key))
+
+    def search_texts(
+        self, texts: Sequence[str], top_k: int = 3, question_filter: Sequence[tuple[str, str] | None] | None = None
+    ) -> list[list[RetrievedStep]]:
+        """Top-k rows by BM25 score per query text, best first (``rank``)."""
+        if len(texts) == 0:
+            return []
+        if self._n == 0:
+            return [[] for _ in texts]
+        return self.rank(self.bm25.scores([self.cut(t) for t in texts]), top_k, question_filter)

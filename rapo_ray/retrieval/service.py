@@ -18,8 +18,7 @@ from ray import serve
 from rapo_ray.agent.retriever import RetrievedStep, StoredStep, question_filter
 from rapo_ray.core.devices import pick_device
 from rapo_ray.core.errors import RetrievalFailed
-from rapo_ray.retrieval.embedder import Embedder
-from rapo_ray.retrieval.replica_index import ReplicaIndex
+from rapo_ray.retrieval.backends import is_lexical, make_encoder, replica_index
 from rapo_ray.retrieval.store import MilvusStepStore, step_rows
 
 log = logging.getLogger("rapo_ray.retrieval")
@@ -52,6 +51,8 @@ class StepRetrieverService:
         search_on: str = "replica",
         num_gpus: float = 0.0,
         embed_cache_size: int = 0,
+        embedder: str = "minilm",
+        embedder_files: str = "",
     ):
         import torch
 
@@ -59,20 +60,24 @@ class StepRetrieverService:
 
         if search_on not in ("replica", "milvus"):
             raise ValueError(f"retrieval.search_on={search_on!r}; valid: replica, milvus")
-        self.embedder = Embedder(
-            pooling=pooling,
-            max_chars=max_chars,
+        self.lexical = is_lexical(embedder)
+        if self.lexical and search_on != "replica":
+            raise ValueError(
+                f"retrieval.embedder={embedder} ranks in the replica's memory: set retrieval.search_on=replica"
+            )
+        self.embedder = make_encoder(
+            embedder,
+            embedder_files,
+            pooling,
+            max_chars,
             device=pick_device(num_gpus, "retrieval.num_gpus"),
             cache_size=embed_cache_size,
         )
         self.store = MilvusStepStore(uri, collection, self.embedder.dim, token=token, create=True)
         # Searches go to an in-memory copy (exact, milliseconds) or to Milvus's HNSW index. The copy also hands
-        # back the stored vector of a query that equals a stored key, instead of embedding it again.
-        self.index = (
-            ReplicaIndex.from_store(self.store, key_text=self.embedder.embedded_text)
-            if search_on == "replica"
-            else None
-        )
+        # back the stored vector of a query that equals a stored key, instead of embedding it again. BM25 ranks
+        # the copy's key texts.
+        self.index = replica_index(embedder, self.store, self.embedder) if search_on == "replica" else None
         self.key_hits = 0
         self.top_k = top_k
         self.batching = batching
@@ -86,12 +91,15 @@ class StepRetrieverService:
             owners.extend([k] * len(queries))
         if not flat:
             return [[] for _ in items]
-        vectors = self._vectors(flat)
         top = max(t for _, t, _ in items)
         filters = []
         for queries, _, scope in items:
             filters.extend([tuple(f) if f else None for f in scope] if scope else [None] * len(queries))
-        hits = (self.index or self.store).search(vectors, top, question_filter=filters if any(filters) else None)
+        scope = filters if any(filters) else None
+        if self.lexical:
+            hits = self.index.search_texts(flat, top, question_filter=scope)
+        else:
+            hits = (self.index or self.store).search(self._vectors(flat), top, question_filter=scope)
         out: list[list[list[dict]]] = [[] for _ in items]
         for owner, row in zip(owners, hits):
             out[owner].append([_as_dict(h) for h in row[: items[owner][1]]])
@@ -173,8 +181,9 @@ class StepRetrieverService:
         self.store.count()  # raises if Milvus went away; Serve restarts the replica
 
 
-def build_app(rcfg, uri: str, batching: bool = True):
-    """The Serve application for ``RetrievalConfig`` ``rcfg`` over the store at ``uri``."""
+def build_app(rcfg, uri: str, batching: bool = True, embedder_files: str = ""):
+    """The Serve application for ``RetrievalConfig`` ``rcfg`` over the store at ``uri``; ``embedder_files``: what
+    ``prepare_backend`` returned for ``rcfg.embedder``."""
     return StepRetrieverService.options(
         autoscaling_config={
             "min_replicas": rcfg.min_replicas,
@@ -196,6 +205,8 @@ def build_app(rcfg, uri: str, batching: bool = True):
         rcfg.search_on,
         rcfg.num_gpus,
         rcfg.embed_cache_size,
+        rcfg.embedder,
+        embedder_files,
     )
 
 

@@ -312,3 +312,46 @@ def test_equal_scores_are_broken_by_row_id_whatever_order_the_rows_were_loaded_i
         hits = index.search(vec[:1], top_k=3, question_filter=[("own", "q1")])[0]
         results.append([h.value for h in index.search(vec[:1], top_k=4)[0]] + [h.value for h in hits])
     assert results[0] == results[1] == ["value 0", "value 1", "value 2", "value 3", "value 1", "value 3", "value 5"]
+
+
+@pytest.mark.parametrize("backend", ["minilm", "minilm-onnx-int8", "bm25"])
+def test_each_backend_answers_the_same_after_a_restart_from_milvus(tmp_path, backend):
+    """The retrieval replica (the Serve deployment's class, called directly) is built over a stored buffer, takes
+    on-policy inserts while it serves, and is then replaced by a new one that loads everything back from Milvus:
+    both answer every query with the same steps and scores, ties included."""
+    from rapo_ray.retrieval.backends import prepare_backend
+    from rapo_ray.retrieval.service import StepRetrieverService
+
+    def step(i):
+        key = f"Question {i % 5}: {['apples', 'pears', 'clips', 'hours', 'wallets'][i % 5]} cost {i * 3} dollars."
+        return {
+            "key": key + f" Step {i}",
+            "value": f"<think>v{i}</think>",
+            "value_ids": [i],
+            "reward": 1.0,
+            "question_id": f"q{i % 5}",
+            "step_index": i % 3,
+            "source": "test",
+        }
+
+    files = prepare_backend(backend, tmp_path / "artifacts", "last")
+    server = MilvusLiteServer(tmp_path / "srv")
+    replica = StepRetrieverService.func_or_class
+    queries = [step(4)["key"], "apples cost 12 dollars", "how many clips?", "nothing in common", "Step 7"]
+    scopes = [None, ("other", "q0"), ("own", "q2"), None, None]
+    try:
+        first = replica(server.uri, "steps", embedder=backend, embedder_files=files)
+        assert first.insert([step(i) for i in range(0, 40, 2)]) == 20  # the built buffer
+        first = replica(server.uri, "steps", embedder=backend, embedder_files=files)  # a replica over it
+        first.insert([step(i) for i in range(1, 40, 2)])  # on-policy inserts while serving, ids in no order
+        before = first._search([(queries, 3, scopes)])[0]
+        first.store.close()
+        again = replica(server.uri, "steps", embedder=backend, embedder_files=files)
+        after = again._search([(queries, 3, scopes)])[0]
+        assert after == before
+        assert before[0][0]["value"] == "<think>v4</think>" and all(len(row) == 3 for row in before)
+        assert all(h["meta"]["question_id"] != "q0" for h in before[1])
+        assert all(h["meta"]["question_id"] == "q2" for h in before[2])
+        again.store.close()
+    finally:
+        server.stop()

@@ -116,6 +116,45 @@ def test_serve_app_handle_and_http(serve_url, tmp_path, search_on):
         server.stop()
 
 
+def test_serve_app_ranks_by_bm25_and_inserts_with_the_lexical_backend(serve_url, tmp_path):
+    """retrieval.embedder=bm25 through the deployed app: the replica ranks the stored keys' words (no query is
+    embedded) and an on-policy insert is searchable at once."""
+    from ray import serve
+
+    from rapo_ray.config import load_config
+    from rapo_ray.retrieval.lexical import HashedTermEncoder
+    from rapo_ray.retrieval.service import HandleStepRetriever, build_app
+
+    server = MilvusLiteServer(tmp_path / "srv")
+    try:
+        cfg = load_config(overrides=["retrieval.collection=lex", "retrieval.embedder=bm25"])
+        steps = [
+            StoredStep(f"{fruit} cost {i} dollars each", f"<think>v{i}</think>", [i], 1.0, f"q{i}", 0, "test")
+            for i, fruit in enumerate(["apples", "pears", "plums", "figs"])
+        ]
+        store = MilvusStepStore(server.uri, "lex", dim=384)
+        store.upsert(steps, HashedTermEncoder().embed([s.key for s in steps]))
+        store.close()
+        serve.run(build_app(cfg.retrieval, server.uri), name="retrieval_lex", route_prefix="/retrieve_lex")
+        handle = serve.get_deployment_handle("StepRetriever", app_name="retrieval_lex")
+        out = HandleStepRetriever(handle).retrieve(["how much do 3 plums cost?", "figs"])
+        assert [o.value for o in out] == ["<think>v2</think>", "<think>v3</think>"] and out[0].score > 0
+        fresh = {
+            "key": "kiwis are sold by the dozen",
+            "value": "<think>kiwi</think>",
+            "value_ids": [9],
+            "reward": 1.0,
+            "question_id": "qk",
+            "step_index": 0,
+            "source": "on_policy",
+        }
+        assert handle.insert.remote([fresh]).result() == 1 and handle.count.remote().result() == 5
+        assert HandleStepRetriever(handle).retrieve(["a dozen kiwis"])[0].value == "<think>kiwi</think>"
+    finally:
+        serve.delete("retrieval_lex")
+        server.stop()
+
+
 def test_builder_counts_idempotence_and_resume(ray_session, tiny_cfg, tiny_model_dir, tmp_path):
     from dataclasses import replace
 
