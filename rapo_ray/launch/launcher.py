@@ -19,6 +19,7 @@ import ray
 import yaml
 from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
 from ray.job_config import JobConfig
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rapo_ray.algos.registry import get_algorithm
 from rapo_ray.config import Config, diff_configs, from_dict, save_config
@@ -30,8 +31,8 @@ from rapo_ray.launch import ray_reaper
 from rapo_ray.launch.plan import fit_cpus, resource_needs
 from rapo_ray.model.factory import set_torch_threads
 from rapo_ray.pipelines.buffer import buffer_questions, build_buffer, manifest_path, with_buffer_collection
-from rapo_ray.pipelines.cold_start import cold_start
-from rapo_ray.pipelines.sft import warm_start
+from rapo_ray.pipelines.cold_start import built_cold_start, cold_start
+from rapo_ray.pipelines.sft import built_warm_start, warm_start
 from rapo_ray.retrieval.backends import prepare_backend
 from rapo_ray.retrieval.service import build_app
 from rapo_ray.retrieval.store import MilvusLiteServer
@@ -300,13 +301,28 @@ class RetrievalService:
             self._server.stop()
 
 
+@ray.remote(num_cpus=0, max_calls=1)
+def _train_starting_policy(cfg: Config) -> str:
+    """``starting_policy``'s SFT in a worker process that exits when it returns (``max_calls=1``)."""
+    set_torch_threads(len(os.sched_getaffinity(0)))  # nothing else of the run computes yet
+    quiet_driver()
+    return str(cold_start(cfg) if not cfg.model.bundled else warm_start(cfg))
+
+
 def starting_policy(cfg: Config, log=print) -> Path:
     """A real model (``model.path`` or ``model.preset``) after its cold start, if one is configured, or the bundled
-    model's warm start. Both are built once and cached."""
-    if not cfg.model.bundled:
-        return Path(cold_start(cfg, log=log))
-
-    return Path(warm_start(cfg, log=log))
+    model's warm start. Both are built once and cached. With Ray up, the build's SFT runs in a worker process on
+    this node (where ``run.artifacts_dir`` is) that exits after it: a real model's training memory (8 GB for
+    SmolLM2-135M) goes back to the OS instead of staying in the driver for the whole run."""
+    built = built_cold_start(cfg, log) if not cfg.model.bundled else built_warm_start(cfg)
+    if built is not None:
+        return Path(built)
+    if not ray.is_initialized():
+        return Path(cold_start(cfg, log=log) if not cfg.model.bundled else warm_start(cfg, log=log))
+    what = "cold start (SFT on solutions)" if not cfg.model.bundled else "warm start (SFT on expert demonstrations)"
+    log(f"building the starting policy's {what} once, in a worker process on this node")
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return Path(ray.get(_train_starting_policy.options(scheduling_strategy=here).remote(cfg)))
 
 
 def evaluate_starting_policy(cfg: Config, trainer, model_dir: Path, log=print) -> tuple[dict, dict]:

@@ -77,15 +77,24 @@ def cold_start_examples(cfg, tokenizer, tools) -> tuple[list[tuple[list[int], li
     return out, counts
 
 
-def cold_start(cfg, log=print) -> Path:
-    """The real model's starting policy: the model itself when ``cold_start.examples`` is 0, else its cold-start
-    SFT, built once and cached (``cold_start_dir``)."""
+def built_cold_start(cfg, log=print) -> Path | None:
+    """The real model's starting policy if nothing is left to train (the model itself when ``cold_start.examples``
+    is 0, or a finished cold start), else None. Converts a GGUF model on first use."""
     base = resolve_model_dir(cfg, log=log)
     if not cfg.cold_start.examples:
         return base
     out = cold_start_dir(cfg, base)
-    if (out / "COMPLETE").is_file():
-        return out
+    return out if (out / "COMPLETE").is_file() else None
+
+
+def cold_start(cfg, log=print) -> Path:
+    """The real model's starting policy: the model itself when ``cold_start.examples`` is 0, else its cold-start
+    SFT, built once and cached (``cold_start_dir``)."""
+    built = built_cold_start(cfg, log)
+    if built is not None:
+        return built
+    base = resolve_model_dir(cfg, log=log)
+    out = cold_start_dir(cfg, base)
     c = cfg.cold_start
     t0 = time.perf_counter()
     tok = load_tokenizer(base)

@@ -177,10 +177,16 @@ def warm_start_dir(cfg) -> Path:
     return Path(cfg.run.artifacts_dir) / f"warm-start-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
 
 
+def built_warm_start(cfg) -> Path | None:
+    """The bundled model's warm start if it is built already, else None."""
+    out = warm_start_dir(cfg)
+    return out if (out / "config.json").is_file() else None
+
+
 def warm_start(cfg, log=print, force: bool = False) -> Path:
     """Build (once per config) the warm-started HF checkpoint the RL run starts from."""
     out = warm_start_dir(cfg)
-    if (out / "config.json").is_file() and not force:
+    if not force and built_warm_start(cfg) is not None:
         return out
     base = resolve_model_dir(cfg)
     tok = load_tokenizer(base)
