@@ -46,5 +46,12 @@ class LearnerLost(RuntimeError):
     """A learner actor died (its node went away): the step cannot finish; rebuild from the last checkpoint."""
 
 
-# What a call to a dead (killed, crashed, node lost) Ray actor raises.
-WORKER_DIED = (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError, ray.exceptions.WorkerCrashedError)
+# What a call to a dead (killed, crashed, node lost) Ray actor raises. An actor that Ray's memory monitor killed
+# fails its pending calls with OutOfMemoryError, which is no RayActorError: without it here, a rollout worker killed
+# for memory during a weight push surfaced as the learners' "connection closed" error and ended the run.
+WORKER_DIED = (
+    ray.exceptions.RayActorError,
+    ray.exceptions.ActorDiedError,
+    ray.exceptions.WorkerCrashedError,
+    ray.exceptions.OutOfMemoryError,
+)

@@ -104,8 +104,9 @@ def _make_tools(cfg: Config):
     return build_tools(cfg.tasks, cfg.rollout, search_index=index, max_concurrency=cfg.serve.tool_concurrency)
 
 
-# a replica that died or cannot be reached: the router retries the request on another one
-REPLICA_LOST = (ray.exceptions.RayActorError,)
+# a replica that died (also killed by Ray's memory monitor) or cannot be reached: the router retries the request on
+# another one
+REPLICA_LOST = (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError)
 
 
 @serve.deployment(

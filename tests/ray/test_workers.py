@@ -221,6 +221,30 @@ def test_a_worker_killed_during_the_broadcast_neither_hangs_the_push_nor_loads_a
     _assert_workers_hold(fleet, learners, 2)
 
 
+def test_a_push_whose_worker_ray_killed_for_memory_is_a_dead_worker_not_a_learner_error(ray_session):
+    """A rollout worker that Ray's memory monitor killed fails its calls with OutOfMemoryError (no RayActorError),
+    while the learners' sends fail on the closed socket first. The push must name the dead worker (the trainer then
+    replaces it and pushes again), and name a learner killed that way a lost learner."""
+    from types import SimpleNamespace
+
+    from rapo_ray.core.errors import WORKER_DIED, LearnerLost
+    from rapo_ray.workers.sync import WeightSync
+
+    @ray.remote
+    def send():
+        raise RuntimeError("gloo: Connection closed by peer")
+
+    @ray.remote
+    def receive():
+        raise ray.exceptions.OutOfMemoryError("1 worker(s) were killed due to the node running low on memory")
+
+    push = SimpleNamespace(timeout_s=30.0)
+    with pytest.raises(WORKER_DIED, match="running low on memory"):
+        WeightSync._wait(push, [send.remote(), send.remote(), receive.remote()], "sending", n_learners=2)
+    with pytest.raises(LearnerLost, match="running low on memory"):
+        WeightSync._wait(push, [receive.remote(), send.remote(), send.remote()], "sending", n_learners=2)
+
+
 def test_kl_penalty_pulls_the_policy_back_to_the_starting_model(ray_session, fleet_cfg, tiny_model_dir):
     """algo.kl_coef > 0: the learner keeps a frozen copy of the starting model; KL is 0 before any update,
     > 0 after a policy-gradient step, and zero-advantage updates (KL term only) shrink it again."""
