@@ -14,6 +14,7 @@ import torch
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 KL_TYPES = ("k1", "k3")
+BEHAVIOUR_CORRECTIONS = ("none", "truncate", "mask")
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,10 @@ class PolicyLossConfig:
     dual_clip: c > 1 bounds the loss of negative-advantage tokens at ``-A * c`` (verl's clip_ratio_c); None off.
     kl_coef / kl_type: penalty against a reference policy (paper: 0, so no reference model is needed).
     agg_mode: one of AGG_MODES.
+    behaviour_correction / behaviour_cap: weight each token's surrogate by w = pi_old / pi_behaviour, the engine that
+        sampled it being the behaviour policy and ``old_logp`` the proximal one (the decoupled objective; w corrects
+        both a stale engine and engine/learner numerics). ``truncate``: min(w, cap) (truncated importance sampling);
+        ``mask``: w, or 0 where w > cap; ``none``: no weight (today's objective, to the bit).
     """
 
     clip_low: float = 0.28
@@ -30,6 +35,8 @@ class PolicyLossConfig:
     kl_coef: float = 0.0
     kl_type: str = "k3"
     agg_mode: str = "token-mean"
+    behaviour_correction: str = "none"
+    behaviour_cap: float = 2.0
 
     def __post_init__(self):
         if self.agg_mode not in AGG_MODES:
@@ -42,6 +49,10 @@ class PolicyLossConfig:
             )
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ValueError(f"dual_clip must be > 1 or None, got {self.dual_clip}")
+        if self.behaviour_correction not in BEHAVIOUR_CORRECTIONS:
+            raise ValueError(f"behaviour_correction={self.behaviour_correction!r}; valid: {BEHAVIOUR_CORRECTIONS}")
+        if self.behaviour_cap <= 1:
+            raise ValueError(f"behaviour_cap must be > 1, got {self.behaviour_cap}")
 
 
 def target_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -90,12 +101,15 @@ def policy_loss(
     shaping: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
     denominator: float | None = None,
+    behaviour_logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate of Eq. 11 with importance shaping (Eq. 8), as a loss to minimise.
 
     Per token:  r = exp(logp - old_logp);  r_hat = s_i * r  (s_i = 1 + m F_ret^i, or 1)
                 L = max(-A r_hat, -A clip(r_hat, 1 - clip_low, 1 + clip_high))
-                with dual clip for A < 0: L = min(L, -A c);   plus kl_coef * KL(pi || pi_ref).
+                with dual clip for A < 0: L = min(L, -A c);
+                with a behaviour correction: L = w L, w = exp(old_logp - behaviour_logp) truncated or masked at the
+                cap (no gradient through w);   plus kl_coef * KL(pi || pi_ref).
 
     Args:
         logp: [B, T] log-prob of each response token under the current policy (requires grad).
@@ -107,6 +121,8 @@ def policy_loss(
         ref_logp: [B, T] reference log-probs; required when ``cfg.kl_coef > 0``.
         denominator: global token or sequence count across data-parallel shards (see module doc);
             None uses this batch's own.
+        behaviour_logp: [B, T] log-probs under the policy that sampled the tokens (the engine's); required when
+            ``cfg.behaviour_correction`` is not ``none``. A masked-out token still counts in the denominator.
 
     Returns:
         (scalar loss, metrics). Masked tokens contribute exactly zero to the loss and its gradient.
@@ -132,6 +148,22 @@ def policy_loss(
         bound = -advantages * cfg.dual_clip
         dual_clipped = (advantages < 0) & (per_token > bound)
         per_token = torch.where(advantages < 0, torch.minimum(per_token, bound), per_token)
+
+    weight = None
+    if cfg.behaviour_correction != "none":
+        if behaviour_logp is None or behaviour_logp.shape != logp.shape:
+            raise ValueError(
+                f"behaviour_correction={cfg.behaviour_correction} needs behaviour_logp shaped like logp "
+                f"{tuple(logp.shape)}, got {None if behaviour_logp is None else tuple(behaviour_logp.shape)}"
+            )
+        with torch.no_grad():
+            gap = torch.where(mask > 0, old_logp - behaviour_logp, torch.zeros_like(logp)).to(logp.dtype)
+            weight = torch.exp(gap.clamp(max=20.0))  # exp(20) is far above any cap: no overflow, same outcome
+            if cfg.behaviour_correction == "truncate":
+                weight = weight.clamp(max=cfg.behaviour_cap)
+            else:
+                weight = torch.where(weight > cfg.behaviour_cap, torch.zeros_like(weight), weight)
+        per_token = per_token * weight
 
     kl_value = None
     if cfg.kl_coef != 0.0:
@@ -167,4 +199,8 @@ def policy_loss(
         }
         if kl_value is not None:
             metrics["kl_ref"] = float(kl_value.sum() / n)
+        if weight is not None:
+            beyond = (torch.exp(gap.clamp(max=20.0)) > cfg.behaviour_cap) & on
+            metrics["behaviour_weight_mean"] = float((weight * mask).sum() / n)
+            metrics["behaviour_capped_frac"] = float(beyond.sum() / n)
     return loss, metrics

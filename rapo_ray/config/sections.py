@@ -401,7 +401,19 @@ class AlgoConfig:
         "token-mean", "Loss aggregation.", ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
     )
     norm_adv_by_std: bool = option(True, "Divide GRPO advantages by the group std (False: Dr. GRPO).")
-    max_staleness: int = option(0, "Max policy-version lag of a trajectory used for an update.")
+    max_staleness: int = option(
+        0,
+        "Max policy-version lag of a trajectory used for an update. Only 0 (the synchronous step) exists yet: "
+        "rolling out step t+1 while step t updates is issue #40.",
+    )
+    behaviour_correction: str = option(
+        "none",
+        "Weight each token's surrogate by pi_old / pi_engine (the decoupled objective; it corrects a stale or "
+        "numerically different engine, e.g. bf16 vLLM against the fp32 learner): truncate (min(w, behaviour_cap), "
+        "truncated importance sampling), mask (tokens with w > behaviour_cap get no gradient) or none.",
+        ("none", "truncate", "mask"),
+    )
+    behaviour_cap: float = option(2.0, "The cap of algo.behaviour_correction's weight (> 1).")
     rapo: RapoConfig = field(
         default_factory=RapoConfig,
         metadata={"help": "RAPO (algo.name=rapo): hybrid rollout, retrieval reward, shaping."},
@@ -417,6 +429,12 @@ class AlgoConfig:
             0 <= self.clip_low < 1 and self.clip_high >= 0, "algo.clip_low must be in [0, 1) and algo.clip_high >= 0"
         )
         require(self.dual_clip == 0 or self.dual_clip > 1, f"algo.dual_clip ({self.dual_clip}) must be 0 (off) or > 1")
+        require(self.behaviour_cap > 1, f"algo.behaviour_cap ({self.behaviour_cap}) must be > 1")
+        require(
+            self.max_staleness == 0,
+            f"algo.max_staleness={self.max_staleness}: only 0 (the synchronous step) is built; a value above 0 would "
+            "silently run synchronously",
+        )
 
 
 @dataclass

@@ -267,7 +267,7 @@ def push_weights(sync: WeightSync, fleet: RolloutFleet, learners: list, version:
 def check_staleness(batch: TrajectoryBatch, version: int, algo_cfg) -> None:
     """Refuse trajectories sampled more than ``algo.max_staleness`` policy versions ago."""
     lag = max((version - t.policy_version) for t in batch) if len(batch) else 0
-    if lag > algo_cfg.max_staleness and algo_cfg.stale_policy == "refuse":
+    if lag > algo_cfg.max_staleness:
         raise RuntimeError(f"trajectories are {lag} policy versions old (algo.max_staleness={algo_cfg.max_staleness})")
 
 

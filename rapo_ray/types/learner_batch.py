@@ -15,6 +15,8 @@ per-token field is target-aligned and has T - 1 columns):
     entropies        [B, T-1]  float32  full-vocabulary entropy at each response position (LearnerGroup.forward_old)
     advantage        [B]       float32  (LearnerGroup.update, from the step's advantages)
     shaping          [B]       float32  importance shaping factor, 1 without it
+    behaviour_logprobs [B, T-1] float32 the engine's log-prob of each generated target, 0 elsewhere; only with
+                                        ``algo.behaviour_correction`` (``from_trajectories(behaviour=True)``)
     prompt_len       [B]       int64    prompt tokens of each row
     length           [B]       int64    prompt + response tokens of each row
     row              [B]       int64    the row's index in the step's TrajectoryBatch; -1 for a padding row
@@ -45,7 +47,7 @@ def from_numpy(a: np.ndarray) -> torch.Tensor:
 
 
 # Stored per-token fields ([B, T] or [B, T-1]: trimmed by ``select``); the others are per row ([B]).
-_PER_TOKEN = ("input_ids", "loss_mask", "old_logprobs", "entropies")
+_PER_TOKEN = ("input_ids", "loss_mask", "old_logprobs", "entropies", "behaviour_logprobs")
 
 
 @dataclass
@@ -59,6 +61,7 @@ class LearnerBatch:
     entropies: torch.Tensor | None = None
     advantage: torch.Tensor | None = None
     shaping: torch.Tensor | None = None
+    behaviour_logprobs: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -66,20 +69,31 @@ class LearnerBatch:
     # ------------------------------------------------------------ building
 
     @classmethod
-    def from_trajectories(cls, trajectories: Sequence, pad_id: int) -> "LearnerBatch":
-        """One row per trajectory, in order (``row`` = its index)."""
+    def from_trajectories(cls, trajectories: Sequence, pad_id: int, behaviour: bool = False) -> "LearnerBatch":
+        """One row per trajectory, in order (``row`` = its index); with ``behaviour``, the engine's log-probs of the
+        response tokens as ``behaviour_logprobs`` (for ``algo.behaviour_correction``)."""
         B = len(trajectories)
         prompt_len = torch.tensor([len(t.prompt_ids) for t in trajectories], dtype=torch.long)
         length = prompt_len + torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.long)
         T = max(int(length.max()) if B else 2, 2)
         ids = np.full((B, T), pad_id, dtype=np.int32)
         mask = np.zeros((B, T - 1), dtype=np.uint8)
+        engine = np.zeros((B, T - 1), dtype=np.float32) if behaviour else None
         for i, t in enumerate(trajectories):
             n, s = int(length[i]), int(prompt_len[i]) - 1
             ids[i, : s + 1] = t.prompt_ids
             ids[i, s + 1 : n] = t.response_ids
             mask[i, s : n - 1] = t.loss_mask
-        return cls(torch.from_numpy(ids), torch.from_numpy(mask), prompt_len, length, torch.arange(B, dtype=torch.long))
+            if engine is not None:
+                if len(t.logprobs) != len(t.response_ids):
+                    raise ValueError(
+                        f"trajectory {t.group_id}/{t.slot}: {len(t.logprobs)} engine log-probs for "
+                        f"{len(t.response_ids)} response tokens; algo.behaviour_correction needs the engine's"
+                    )
+                engine[i, s : n - 1] = t.logprobs
+        out = cls(torch.from_numpy(ids), torch.from_numpy(mask), prompt_len, length, torch.arange(B, dtype=torch.long))
+        out.behaviour_logprobs = None if engine is None else torch.from_numpy(engine)
+        return out
 
     @classmethod
     def padding(cls, n: int, pad_id: int, like: "LearnerBatch | None" = None) -> "LearnerBatch":
@@ -100,6 +114,8 @@ class LearnerBatch:
             out.entropies = zeros.clone()
         if like is None or like.advantage is not None:
             out.advantage, out.shaping = torch.zeros(n), torch.ones(n)
+        if like is not None and like.behaviour_logprobs is not None:
+            out.behaviour_logprobs = zeros.clone()
         return out
 
     # ------------------------------------------------------------ slicing and joining
@@ -203,7 +219,10 @@ class LearnerBatch:
             flat = pa.array(t.contiguous().numpy().reshape(-1))
             return pa.FixedSizeListArray.from_arrays(flat, t.shape[1])
 
-        cols = {name: matrix(getattr(self, name)) for name in ("input_ids", "loss_mask", "old_logprobs")}
+        per_token = ("input_ids", "loss_mask", "old_logprobs")
+        cols = {name: matrix(getattr(self, name)) for name in per_token}
+        if self.behaviour_logprobs is not None:
+            cols["behaviour_logprobs"] = matrix(self.behaviour_logprobs)
         cols |= {name: pa.array(getattr(self, name).numpy()) for name in ("advantage", "shaping", "prompt_len")}
         cols |= {"length": pa.array(self.length.numpy()), "row": pa.array(self.row.numpy())}
         return pa.table(cols | dict(extra or {}))
@@ -229,4 +248,7 @@ class LearnerBatch:
             old_logprobs=matrix("old_logprobs", np.float32),
             advantage=vector("advantage", np.float32),
             shaping=vector("shaping", np.float32),
+            behaviour_logprobs=matrix("behaviour_logprobs", np.float32)
+            if "behaviour_logprobs" in table.column_names
+            else None,
         )

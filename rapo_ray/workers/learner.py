@@ -46,11 +46,10 @@ from rapo_ray.workers.sync import SyncMember, send_state, shard_rows
 
 # How the learner group combines one statistic across ranks (rapo_ray.core.metrics.merge_actor_stats): per-rank
 # token-weighted means are averaged, loss sums and delivered rows are added.
+# The loss's per-token statistics that a rank averages over its loss tokens.
+TOKEN_MEAN_STATS = ("clip_frac", "approx_kl", "ratio_mean", "kl_ref", "behaviour_weight_mean", "behaviour_capped_frac")
 RANK_REDUCE = {
-    "clip_frac": "mean",
-    "approx_kl": "mean",
-    "ratio_mean": "mean",
-    "kl_ref": "mean",
+    **{name: "mean" for name in TOKEN_MEAN_STATS},
     "grad_norm": "mean",
     "loss_tokens": "mean",
     "lr": "mean",
@@ -121,6 +120,8 @@ class LearnerWorker(SyncMember):
             kl_coef=a.kl_coef,
             kl_type=a.kl_type,
             agg_mode=a.loss_agg_mode,
+            behaviour_correction=a.behaviour_correction,
+            behaviour_cap=a.behaviour_cap,
         )
 
     def ready(self) -> int:
@@ -203,10 +204,11 @@ class LearnerWorker(SyncMember):
                     shaping=mb.shaping.to(self.device),
                     ref_logp=ref_logp,
                     denominator=denominator,
+                    behaviour_logp=None if mb.behaviour_logprobs is None else mb.behaviour_logprobs.to(self.device),
                 )
                 (loss * self.world).backward()
                 w = m["loss_tokens"]
-                for k in ("clip_frac", "approx_kl", "ratio_mean", "kl_ref"):
+                for k in TOKEN_MEAN_STATS:
                     if k in m:
                         stats[k] = stats.get(k, 0.0) + m[k] * w
                 stats["loss"] = stats.get("loss", 0.0) + loss.item()
@@ -216,7 +218,7 @@ class LearnerWorker(SyncMember):
             stats["grad_norm"] = stats.get("grad_norm", 0.0) + float(gn)
             self.opt.step()
         self.sched.step()
-        out = {k: v / max(n, 1) for k, v in stats.items() if k in ("clip_frac", "approx_kl", "ratio_mean", "kl_ref")}
+        out = {k: v / max(n, 1) for k, v in stats.items() if k in TOKEN_MEAN_STATS}
         out["loss_sum"] = stats.get("loss", 0.0)
         out["grad_norm"] = stats.get("grad_norm", 0.0) / max(len(mini_batches), 1)
         out["loss_tokens"] = n
@@ -418,7 +420,8 @@ class LearnerGroup:
         under the current policy."""
         world, lc = self.world_size, self.cfg.learner
         micro = lc.micro_rows(lc.mini_batch_size // world)
-        lb = LearnerBatch.from_trajectories(batch.trajectories, self.pad_id)
+        behaviour = self.cfg.algo.behaviour_correction != "none"
+        lb = LearnerBatch.from_trajectories(batch.trajectories, self.pad_id, behaviour=behaviour)
         per_rank, rows = split_for_ranks(lb, world, micro, self.pad_id, lc.length_sorted_micro_batches)
         results = _gather([w.forward_old.remote(mbs) for w, mbs in zip(self.workers, per_rank)])
         logp = torch.zeros_like(lb.response_mask)

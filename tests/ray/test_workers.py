@@ -3,6 +3,8 @@ checkpoints."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import ray
 import torch
@@ -335,6 +337,48 @@ def test_micro_batches_accumulate_to_the_same_update(ray_session, fleet_cfg, tin
     moved = float((after_whole - old).abs().max())
     gap = float((after_whole - after_micro).abs().max())
     assert moved > 1e-3 and gap < 1e-4 * moved
+
+
+def test_the_behaviour_correction_reaches_the_learners_loss(ray_session, fleet_cfg, tiny_model_dir):
+    """algo.behaviour_correction=truncate on a learner rank: engine log-probs equal to pi_old (weight 1) give the
+    uncorrected update; an engine that gave every token 4x less probability than pi_old (weight 4, cut to 2) doubles
+    the loss, and the update reports the weights it used."""
+    from dataclasses import asdict, replace
+
+    from rapo_ray.core.metrics import merge_actor_stats
+    from rapo_ray.core.net import free_port
+    from rapo_ray.types.trajectory import Trajectory
+    from rapo_ray.workers.learner import LearnerWorker
+
+    trajs = [
+        Trajectory(f"g{i}", i, "on_policy", f"p{i}", "qa", (), prompt_ids=[3, 4, 5],
+                   response_ids=list(range(6, 10)), loss_mask=[1] * 4, logprobs=[-1.0] * 4)
+        for i in range(2)
+    ]  # fmt: skip
+    losses = {}
+    for correction, engine_gap in (("none", 0.0), ("truncate", 0.0), ("truncate", -math.log(4.0))):
+        algo = replace(fleet_cfg.algo, behaviour_correction=correction, behaviour_cap=2.0)
+        cfg = replace(fleet_cfg, algo=algo, learner=replace(fleet_cfg.learner, world_size=1))
+        actor = ray.remote(num_cpus=0.5)(LearnerWorker).remote(
+            0, 1, free_port(), str(tiny_model_dir), asdict(cfg), "gloo"
+        )
+        try:
+            batch = LearnerBatch.from_trajectories(trajs, pad_token_id(tiny_model_dir), behaviour=correction != "none")
+            old = from_numpy(ray.get(actor.forward_old.remote([batch]))[0][0])
+            full = batch.with_advantages([1.0, -2.0], [1.0, 1.0])
+            full.old_logprobs = old
+            if full.behaviour_logprobs is not None:
+                full.behaviour_logprobs = (old + engine_gap) * full.loss_mask
+            stats = merge_actor_stats([ray.get(actor.update.remote([([full], 8.0)]))])
+            losses[(correction, engine_gap)] = stats
+        finally:
+            ray.get(actor.shutdown.remote())
+            ray.kill(actor)
+    plain, same, stale = losses.values()
+    assert same["loss_sum"] == pytest.approx(plain["loss_sum"], rel=1e-6) and same["behaviour_weight_mean"] == 1.0
+    assert stale["loss_sum"] == pytest.approx(2 * plain["loss_sum"], rel=1e-5)
+    assert stale["behaviour_weight_mean"] == pytest.approx(2.0) and stale["behaviour_capped_frac"] == 1.0
+    assert "behaviour_weight_mean" not in plain
 
 
 def test_forward_old_puts_length_sorted_micro_batches_back_in_row_order(ray_session, fleet_cfg):

@@ -207,11 +207,46 @@ def test_policy_loss_kl_terms():
         policy_loss(logp, old, torch.tensor([0.0]), torch.ones(1, 1), PolicyLossConfig(kl_coef=0.1))
 
 
+def test_policy_loss_behaviour_correction_hand_computed():
+    """Decoupled objective: old_logp is the proximal policy, behaviour_logp the engine that sampled each token.
+    Tokens: ratio r = exp(logp - old) = [1, 1, 1.5]; behaviour weight w = exp(old - behaviour) = [0.5, 3, 1]."""
+    old = torch.zeros(1, 3, dtype=torch.float64)
+    logp = _logp([[1.0, 1.0, 1.5]])
+    behaviour = -torch.log(torch.tensor([[0.5, 3.0, 1.0]], dtype=torch.float64))
+    mask, adv = torch.ones(1, 3), torch.tensor([1.0])
+    # A = +1, clipped surrogate per token [-1, -1, -1.28]
+    plain, _ = policy_loss(logp, old, adv, mask)
+    assert plain.item() == pytest.approx((-1 - 1 - 1.28) / 3)
+    # none: the same loss, to the bit, whatever behaviour_logp says
+    none, _ = policy_loss(logp, old, adv, mask, behaviour_logp=behaviour)
+    assert none.item() == plain.item()
+    # truncate at 2: w = [0.5, 2, 1] -> (-0.5 - 2 - 1.28) / 3
+    cfg = PolicyLossConfig(behaviour_correction="truncate", behaviour_cap=2.0)
+    loss, m = policy_loss(logp, old, adv, mask, cfg, behaviour_logp=behaviour)
+    assert loss.item() == pytest.approx((-0.5 - 2.0 - 1.28) / 3)
+    assert m["behaviour_weight_mean"] == pytest.approx((0.5 + 2 + 1) / 3)
+    assert m["behaviour_capped_frac"] == pytest.approx(1 / 3)
+    # mask at 2: w = [0.5, 0, 1]; the dropped token still counts in the denominator -> (-0.5 - 1.28) / 3
+    cfg = PolicyLossConfig(behaviour_correction="mask", behaviour_cap=2.0)
+    loss, m = policy_loss(logp, old, adv, mask, cfg, behaviour_logp=behaviour)
+    assert loss.item() == pytest.approx((-0.5 - 1.28) / 3)
+    # the weight carries no gradient: d loss / d logp = w * d surrogate (token 2 is clipped: 0)
+    logp2 = logp.detach().clone().requires_grad_(True)
+    policy_loss(logp2, old, adv, mask, cfg, behaviour_logp=behaviour)[0].backward()
+    assert logp2.grad[0].tolist() == pytest.approx([-0.5 / 3, 0.0, 0.0])
+    with pytest.raises(ValueError, match="needs behaviour_logp"):
+        policy_loss(logp, old, adv, mask, cfg)
+
+
 def test_policy_loss_config_errors():
     with pytest.raises(ValueError, match="agg_mode"):
         PolicyLossConfig(agg_mode="mean")
     with pytest.raises(ValueError, match="dual_clip"):
         PolicyLossConfig(dual_clip=0.5)
+    with pytest.raises(ValueError, match="behaviour_correction"):
+        PolicyLossConfig(behaviour_correction="clip")
+    with pytest.raises(ValueError, match="behaviour_cap"):
+        PolicyLossConfig(behaviour_correction="truncate", behaviour_cap=1.0)
 
 
 def test_masked_tokens_get_zero_gradient():

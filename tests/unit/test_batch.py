@@ -68,6 +68,25 @@ def test_learner_batch_by_hand():
     assert lb.response_values("entropies", 0).tolist() == [2.0, 3.0, 4.0, 5.0]
 
 
+def test_behaviour_logprobs_are_the_engines_on_generated_targets_and_travel_with_the_rows():
+    """``algo.behaviour_correction``: the engine's log-prob of each generated token (-0.5 in ``_traj``) at its target
+    column, 0 on tool results, retrieved tokens and padding; sliced, padded, joined and sent like the other fields."""
+    trajs = [_traj(0, 4), _traj(1, 6)]
+    assert LearnerBatch.from_trajectories(trajs, pad_id=0).behaviour_logprobs is None  # only when asked for
+    lb = LearnerBatch.from_trajectories(trajs, pad_id=0, behaviour=True).with_advantages([1.0, -1.0], [1.0, 1.0])
+    assert lb.behaviour_logprobs[0].tolist() == [0, 0, -0.5, -0.5, 0, 0, 0, 0]
+    assert lb.behaviour_logprobs[1].tolist() == [0, 0, -0.5, -0.5, -0.5, -0.5, 0, 0]
+    assert lb.select([0]).behaviour_logprobs.shape == (1, 6)  # trimmed with the row
+    assert LearnerBatch.padding(1, pad_id=0, like=lb).behaviour_logprobs.abs().sum() == 0
+    lb.old_logprobs = -0.4 * lb.response_mask
+    back = LearnerBatch.from_arrow(lb.to_arrow())
+    assert torch.equal(back.behaviour_logprobs, lb.behaviour_logprobs)
+    assert LearnerBatch.concat([lb.select([1]), lb.select([0])], pad_id=0).behaviour_logprobs.shape == (2, 8)
+    bare = Trajectory("g", 0, "on_policy", "p", "qa", (), prompt_ids=[1], response_ids=[5, 6], loss_mask=[1, 1])
+    with pytest.raises(ValueError, match="g/0: 0 engine log-probs for 2 response tokens"):
+        LearnerBatch.from_trajectories([bare], pad_id=0, behaviour=True)
+
+
 def test_padding_rows_weigh_nothing():
     lb = LearnerBatch.from_trajectories([_traj(0, 5)], pad_id=0).with_advantages([2.0], [1.1])
     lb.old_logprobs = torch.full_like(lb.response_mask, -1.0)
