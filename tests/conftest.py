@@ -82,9 +82,11 @@ def ray_session():
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
+    from rapo_ray.core.local_ray import init_local_ray
+
     if not ray.is_initialized():
         # address='local': a Ray started elsewhere on this machine (ray start, a cluster simulation) is not joined
-        ray.init(
+        init_local_ray(
             address="local",
             num_cpus=6,
             object_store_memory=384 * 1024 * 1024,

@@ -26,6 +26,7 @@ from rapo_ray.config import Config, diff_configs, from_dict, save_config
 from rapo_ray.core.devices import machine_record
 from rapo_ray.core.errors import ConfigError, LearnerLost
 from rapo_ray.core.files import write_json_atomic
+from rapo_ray.core.local_ray import init_local_ray
 from rapo_ray.core.net import free_port
 from rapo_ray.launch import ray_reaper
 from rapo_ray.launch.plan import fit_cpus, resource_needs
@@ -98,7 +99,7 @@ def init_ray(cfg: Config) -> bool:
     need = resource_needs(cfg).cpus_max
     # address='local': never join another Ray that happens to run on this machine (ray.init() without an
     # address would); joining is what RAY_ADDRESS / resources.ray_address are for.
-    ray.init(
+    init_local_ray(
         address="local",
         num_cpus=max(os.cpu_count() or 1, int(need + 0.999)),
         object_store_memory=rc.object_store_mb << 20,

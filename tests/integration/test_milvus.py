@@ -339,19 +339,23 @@ def test_each_backend_answers_the_same_after_a_restart_from_milvus(tmp_path, bac
     replica = StepRetrieverService.func_or_class
     queries = [step(4)["key"], "apples cost 12 dollars", "how many clips?", "nothing in common", "Step 7"]
     scopes = [None, ("other", "q0"), ("own", "q2"), None, None]
+    replicas = []
+
+    def start():  # each replica's Milvus client is closed before the server stops (no client retrying a dead one)
+        replicas.append(replica(server.uri, "steps", embedder=backend, embedder_files=files))
+        return replicas[-1]
+
     try:
-        first = replica(server.uri, "steps", embedder=backend, embedder_files=files)
-        assert first.insert([step(i) for i in range(0, 40, 2)]) == 20  # the built buffer
-        first = replica(server.uri, "steps", embedder=backend, embedder_files=files)  # a replica over it
+        assert start().insert([step(i) for i in range(0, 40, 2)]) == 20  # the built buffer
+        first = start()  # a replica over it
         first.insert([step(i) for i in range(1, 40, 2)])  # on-policy inserts while serving, ids in no order
         before = first._search([(queries, 3, scopes)])[0]
-        first.store.close()
-        again = replica(server.uri, "steps", embedder=backend, embedder_files=files)
-        after = again._search([(queries, 3, scopes)])[0]
+        after = start()._search([(queries, 3, scopes)])[0]  # a replica started after it, from Milvus
         assert after == before
         assert before[0][0]["value"] == "<think>v4</think>" and all(len(row) == 3 for row in before)
         assert all(h["meta"]["question_id"] != "q0" for h in before[1])
         assert all(h["meta"]["question_id"] == "q2" for h in before[2])
-        again.store.close()
     finally:
+        for r in replicas:
+            r.store.close()
         server.stop()
