@@ -262,14 +262,14 @@ class RetrievalService:
         if not uri:  # embedded default: milvus-lite as a managed child process, shared by URI
             self._server = MilvusLiteServer(Path(cfg.run.artifacts_dir) / "milvus")
             uri = self._server.uri
-        files = prepare_backend(cfg.retrieval.embedder, cfg.run.artifacts_dir, cfg.retrieval.pooling)
-        report = build_buffer(cfg, str(model_dir), uri, questions, manifest_path(cfg), log, embedder_files=files)
+        report = build_buffer(cfg, str(model_dir), uri, questions, manifest_path(cfg), log=log)
         log(report.table())
         self._serve_started = not _serve_running()  # a Serve someone else started (a cluster's, a test's) stays up
         if self._serve_started:
             serve.start(http_options={"host": "127.0.0.1", "port": free_port()}, logging_config=SERVE_LOGGING)
         logging.getLogger("ray.serve").setLevel(SERVE_LOGGING["log_level"])  # serve.start sets the driver's to INFO
         self.app = "retrieval"
+        files = prepare_backend(cfg.retrieval.embedder, cfg.run.artifacts_dir, cfg.retrieval.pooling)  # built once
         target = serve.RunTarget(
             build_app(cfg.retrieval, uri, embedder_files=files), self.app, "/retrieve", SERVE_LOGGING
         )

@@ -41,7 +41,7 @@ from rapo_ray.envs.loaders import gsm8k_solutions, gsm8k_trajectory_parts
 from rapo_ray.envs.suite import build_tools
 from rapo_ray.model.factory import context_length, load_model_and_tokenizer, load_tokenizer, set_torch_threads
 from rapo_ray.pipelines.sft import expert_trajectories
-from rapo_ray.retrieval.backends import backend_fingerprint, make_encoder
+from rapo_ray.retrieval.backends import backend_fingerprint, make_encoder, prepare_backend
 from rapo_ray.retrieval.embedder import DIM, EMBEDDER_VERSION
 from rapo_ray.retrieval.search_index import search_index_for
 from rapo_ray.retrieval.store import MilvusStepStore
@@ -339,12 +339,9 @@ def _write_manifest(manifest: Path, done: set[str], fingerprint: dict) -> None:
     )
 
 
-def build_buffer(
-    cfg, model_dir: str, uri: str, tasks: list, manifest: Path, log=print, embedder_files: str = ""
-) -> BufferReport:
+def build_buffer(cfg, model_dir: str, uri: str, tasks: list, manifest: Path, log=print) -> BufferReport:
     """Sample, filter, split, embed and upsert the buffer for ``tasks`` (loop ``Task``s) into the collection
-    ``retrieval.collection`` (resolve an empty one with ``with_buffer_collection`` first). ``embedder_files``: what
-    ``prepare_backend`` returned for ``retrieval.embedder``."""
+    ``retrieval.collection`` (resolve an empty one with ``with_buffer_collection`` first)."""
     t0 = time.perf_counter()
     collection = cfg.retrieval.collection
     if not collection:
@@ -379,7 +376,7 @@ def build_buffer(
             EmbedStep,
             fn_constructor_args=(
                 cfg.retrieval.embedder,
-                embedder_files,
+                prepare_backend(cfg.retrieval.embedder, cfg.run.artifacts_dir, cfg.retrieval.pooling),
                 cfg.retrieval.pooling,
                 cfg.retrieval.query_max_chars,
             ),

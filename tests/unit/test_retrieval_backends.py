@@ -158,3 +158,16 @@ def test_each_backend_other_than_minilm_gets_its_own_buffer(tmp_path):
     names = {b: buffer_collection(load_config(overrides=[f"retrieval.embedder={b}"]), str(tmp_path)) for b in BACKENDS}
     assert len(set(names.values())) == 3
     assert "retrieval.embedder" not in buffer_fingerprint(load_config(), str(tmp_path))  # minilm: names as before
+
+
+def test_the_buffer_builders_embed_step_keys_rows_with_each_backend(tmp_path):
+    """The buffer's Ray Data stage (``EmbedStep``), built as ``build_buffer`` builds it, writes each backend's key
+    vectors: what the replica of that backend reads back."""
+    from rapo_ray.pipelines.buffer import EmbedStep
+
+    keys = np.array(HISTORIES[:3], dtype=object)
+    for backend in BACKENDS:
+        step = EmbedStep(backend, prepare_backend(backend, tmp_path, "last"), "last", 1300)
+        vectors = step({"key": keys})["vector"]
+        want = make_encoder(backend, prepare_backend(backend, tmp_path, "last"), "last", 1300).embed(list(keys))
+        assert vectors.shape == (3, DIM) and np.allclose(vectors, want, atol=1e-6), backend
