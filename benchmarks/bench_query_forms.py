@@ -78,8 +78,6 @@ def load_run(run: Path):
 
 def stored_keys(cfg) -> list[dict]:
     """Every row's key, question id and value of the run's buffer collection."""
-    from pymilvus import MilvusClient
-
     server = None
     uri = cfg.retrieval.milvus_uri
     if not uri:
@@ -92,21 +90,27 @@ def stored_keys(cfg) -> list[dict]:
         from rapo_ray.pipelines.buffer import buffer_collection
 
         collection = buffer_collection(cfg, str(starting_policy(cfg)))  # the run's (cached starting policy)
-        client = MilvusClient(uri=uri, token=cfg.retrieval.milvus_token or "")
+        return collection_rows(uri, collection, ["id", "key", "question_id", "value"], cfg.retrieval.milvus_token)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def collection_rows(uri: str, collection: str, fields: list[str], token: str = "") -> list[dict]:
+    """Every row of a Milvus collection (``fields`` of each, ``id`` among them), in id order."""
+    from pymilvus import MilvusClient
+
+    client = MilvusClient(uri=uri, token=token or "")
+    try:
         client.load_collection(collection)
-        it = client.query_iterator(
-            collection, batch_size=2000, filter="", output_fields=["id", "key", "question_id", "value"]
-        )
+        it = client.query_iterator(collection, batch_size=2000, filter="", output_fields=fields)
         rows = []
         while batch := it.next():
             rows.extend(batch)
         it.close()
-        client.close()
     finally:
-        if server is not None:
-            server.stop()
-    rows.sort(key=lambda r: r["id"])
-    return rows
+        client.close()
+    return sorted(rows, key=lambda r: r["id"])
 
 
 def run_queries(run: Path, tokenizer) -> list[dict]:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bench_query_forms import run_queries
+from bench_query_forms import collection_rows, run_queries
 from load import percentile_ms, run_clients
 
 from rapo_ray.agent.retriever import StoredStep, query_text
@@ -96,8 +96,6 @@ def multihop_pairs(size: int) -> list[tuple[str, str]]:
 
 def buffer_keys(milvus_dir: Path, collection: str | None) -> tuple[str, list[dict]]:
     """(collection, rows with id/key/question_id) of the buffer in the milvus-lite folder ``milvus_dir``."""
-    from pymilvus import MilvusClient
-
     if collection is None:
         manifests = sorted(milvus_dir.glob("manifest-*.json"))
         if len(manifests) != 1:
@@ -105,17 +103,9 @@ def buffer_keys(milvus_dir: Path, collection: str | None) -> tuple[str, list[dic
         collection = manifests[0].stem.removeprefix("manifest-")
     server = MilvusLiteServer(milvus_dir)
     try:
-        client = MilvusClient(uri=server.uri)
-        client.load_collection(collection)
-        it = client.query_iterator(collection, batch_size=2000, filter="", output_fields=["id", "key", "question_id"])
-        rows = []
-        while batch := it.next():
-            rows.extend(batch)
-        it.close()
-        client.close()
+        return collection, collection_rows(server.uri, collection, ["id", "key", "question_id"])
     finally:
         server.stop()
-    return collection, sorted(rows, key=lambda r: r["id"])
 
 
 def quality(args, cfg, backends, encoders, keys, queries) -> dict:

@@ -158,11 +158,12 @@ def policy_loss(
             )
         with torch.no_grad():
             gap = torch.where(mask > 0, old_logp - behaviour_logp, torch.zeros_like(logp)).to(logp.dtype)
-            weight = torch.exp(gap.clamp(max=20.0))  # exp(20) is far above any cap: no overflow, same outcome
+            raw = torch.exp(gap.clamp(max=20.0))  # exp(20) is far above any cap: no overflow, same outcome
+            beyond = raw > cfg.behaviour_cap
             if cfg.behaviour_correction == "truncate":
-                weight = weight.clamp(max=cfg.behaviour_cap)
+                weight = raw.clamp(max=cfg.behaviour_cap)
             else:
-                weight = torch.where(weight > cfg.behaviour_cap, torch.zeros_like(weight), weight)
+                weight = torch.where(beyond, torch.zeros_like(raw), raw)
         per_token = per_token * weight
 
     kl_value = None
@@ -200,7 +201,6 @@ def policy_loss(
         if kl_value is not None:
             metrics["kl_ref"] = float(kl_value.sum() / n)
         if weight is not None:
-            beyond = (torch.exp(gap.clamp(max=20.0)) > cfg.behaviour_cap) & on
             metrics["behaviour_weight_mean"] = float((weight * mask).sum() / n)
-            metrics["behaviour_capped_frac"] = float(beyond.sum() / n)
+            metrics["behaviour_capped_frac"] = float((beyond & on).sum() / n)
     return loss, metrics

@@ -77,24 +77,29 @@ def cold_start_examples(cfg, tokenizer, tools) -> tuple[list[tuple[list[int], li
     return out, counts
 
 
-def built_cold_start(cfg, log=print) -> Path | None:
-    """The real model's starting policy if nothing is left to train (the model itself when ``cold_start.examples``
-    is 0, or a finished cold start), else None. Converts a GGUF model on first use."""
+def _cold_start_target(cfg, log=print) -> tuple[Path, Path | None, bool]:
+    """(the base model folder, its cold start's folder or None when ``cold_start.examples`` is 0, whether the
+    starting policy is there already). Converts a GGUF model on first use."""
     base = resolve_model_dir(cfg, log=log)
     if not cfg.cold_start.examples:
-        return base
+        return base, None, True
     out = cold_start_dir(cfg, base)
-    return out if (out / "COMPLETE").is_file() else None
+    return base, out, (out / "COMPLETE").is_file()
+
+
+def built_cold_start(cfg, log=print) -> Path | None:
+    """The real model's starting policy if nothing is left to train (the model itself when ``cold_start.examples``
+    is 0, or a finished cold start), else None."""
+    base, out, done = _cold_start_target(cfg, log)
+    return (out or base) if done else None
 
 
 def cold_start(cfg, log=print) -> Path:
     """The real model's starting policy: the model itself when ``cold_start.examples`` is 0, else its cold-start
     SFT, built once and cached (``cold_start_dir``)."""
-    built = built_cold_start(cfg, log)
-    if built is not None:
-        return built
-    base = resolve_model_dir(cfg, log=log)
-    out = cold_start_dir(cfg, base)
+    base, out, done = _cold_start_target(cfg, log)
+    if done:
+        return out or base
     c = cfg.cold_start
     t0 = time.perf_counter()
     tok = load_tokenizer(base)

@@ -178,7 +178,7 @@ def warm_start_dir(cfg) -> Path:
 
 
 def built_warm_start(cfg) -> Path | None:
-    """The bundled model's warm start if it is built already, else None."""
+    """The bundled model's warm start if it is built already, else None (``warm_start`` builds it)."""
     out = warm_start_dir(cfg)
     return out if (out / "config.json").is_file() else None
 
@@ -186,7 +186,7 @@ def built_warm_start(cfg) -> Path | None:
 def warm_start(cfg, log=print, force: bool = False) -> Path:
     """Build (once per config) the warm-started HF checkpoint the RL run starts from."""
     out = warm_start_dir(cfg)
-    if not force and built_warm_start(cfg) is not None:
+    if not force and (out / "config.json").is_file():
         return out
     base = resolve_model_dir(cfg)
     tok = load_tokenizer(base)

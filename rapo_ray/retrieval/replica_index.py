@@ -33,6 +33,8 @@ def _digest(text: str) -> bytes:
 
 
 class ReplicaIndex:
+    keys_required = False  # whether every added row must carry its key text (a subclass that ranks by it)
+
     def __init__(self, dim: int, key_text: Callable[[str], str] | None = None):
         """``key_text``: what the embedder embeds of a text (``Embedder.embedded_text``); given, stored keys are
         indexed by it so that ``key_vectors`` can answer queries equal to a key. The stored vectors must come from
@@ -98,6 +100,8 @@ class ReplicaIndex:
         """Insert or replace rows by id (the same upsert semantics as the collection). ``keys``: the rows' key
         texts as stored (None: unknown), for ``key_vectors``."""
         keys = [None] * len(ids) if keys is None else keys
+        if self.keys_required and any(k is None for k in keys):
+            raise ValueError(f"{type(self).__name__} ranks by key text: every added row needs its key")
         if not (len(ids) == len(vectors) == len(payloads) == len(keys)):
             raise ValueError(f"{len(ids)} ids, {len(vectors)} vectors, {len(payloads)} payloads and {len(keys)} keys")
         if len(ids) and vectors.shape[1] != self.dim:
@@ -190,6 +194,8 @@ class LexicalReplicaIndex(ReplicaIndex):
     """A ``ReplicaIndex`` ranked by BM25 over the rows' key texts (``retrieval.embedder=bm25``) instead of by their
     vectors. Built from the keys Milvus stores, so a restarted replica ranks exactly as the one before it."""
 
+    keys_required = True
+
     def __init__(self, dim: int, key_text: Callable[[str], str]):
         """``key_text``: the cut both keys and queries get before their terms are counted (``preprocess``)."""
         super().__init__(dim)  # no key_vectors shortcut: a BM25 query is never embedded
@@ -200,17 +206,6 @@ class LexicalReplicaIndex(ReplicaIndex):
         old_rows = super()._order_rows_by_id()
         self.bm25.reorder(old_rows)
         return old_rows
-
-    def add(
-        self,
-        ids: Sequence[str],
-        vectors: np.ndarray,
-        payloads: Sequence[tuple[str, str, float, str]],
-        keys: Sequence[str | None] | None = None,
-    ) -> None:
-        if keys is None or any(k is None for k in keys):
-            raise ValueError("a BM25 replica index ranks by key text: every added row needs its key")
-        super().add(ids, vectors, payloads, keys)
 
     def _added(self, row: int, key: str | None) -> None:
         self.bm25.set(row, self.cut(key))
