@@ -14,7 +14,9 @@ of the driver, while the phase runs.
 
 Each run with faults is checked: the job finished; every step's trajectories hold each group of the reference's
 step exactly once with every slot; the final weights equal the reference's bit for bit unless a slot really
-degraded to an on-policy step (a failed retrieval: listed with its step); no process the run started outlives
+degraded to an on-policy step (a failed retrieval: listed with its step) or was rolled out by other weights than
+the reference's (with algo.max_staleness >= 1, a worker replacing a dead one during an update starts from the updated
+weights: listed with its step); no process the run started outlives
 it. The table gives, per fault, where it landed, whether the run survived it, and the time it cost (that step's
 iteration, first start to checkpoint written, against the reference's). Results: --out (JSON).
 
@@ -386,6 +388,18 @@ def same_trajectories(mine, theirs) -> bool:
     return True
 
 
+def other_weights(mine, theirs) -> int:
+    """How many of ``mine``'s trajectories were sampled by another policy version than ``theirs``'s same slot."""
+    ref = dict(
+        zip(
+            zip(theirs.column("group_id").to_pylist(), theirs.column("slot").to_pylist()),
+            theirs.column("policy_version").to_pylist(),
+        )
+    )
+    keys = zip(mine.column("group_id").to_pylist(), mine.column("slot").to_pylist())
+    return sum(1 for k, v in zip(keys, mine.column("policy_version").to_pylist()) if k in ref and ref[k] != v)
+
+
 def final_weights(run: dict):
     from safetensors.torch import load_file
 
@@ -401,6 +415,9 @@ def check(run: dict, ref: dict, group_size: int) -> dict:
     out: dict = {"finished": run["rc"] == 0 and (Path(run["run_dir"]) / "summary.json").is_file()}
     lost = dup = 0
     out["first_divergent_step"] = None  # the first step whose trajectories differ from the reference's
+    # step -> trajectories sampled by another policy version than the reference's same slot: with algo.max_staleness
+    # >= 1, a worker that replaces a dead one during an update starts from the updated weights
+    out["other_weights"] = {}
     for f in sorted((Path(ref["run_dir"]) / "trajectories").glob("step-*.parquet")):
         theirs = pq.read_table(f).drop_columns(["tool_time_s"])
         want = set(theirs.column("group_id").to_pylist())
@@ -412,6 +429,8 @@ def check(run: dict, ref: dict, group_size: int) -> dict:
         dup += sum(1 for g, c in counts.items() if c > group_size or g not in want)
         if out["first_divergent_step"] is None and (mine is None or not same_trajectories(mine, theirs)):
             out["first_divergent_step"] = int(f.stem.split("-")[1])
+        if mine is not None and (n := other_weights(mine, theirs)):
+            out["other_weights"][int(f.stem.split("-")[1])] = n
     out["lost_groups"], out["duplicated_groups"] = lost, dup
     metrics = {}
     for line in (Path(run["run_dir"]) / "metrics.jsonl").read_text().splitlines():
@@ -420,8 +439,9 @@ def check(run: dict, ref: dict, group_size: int) -> dict:
             metrics[m["step"]] = m  # a replayed step's last record
     out["degraded"] = {k: m.get("retrieval_errors", 0) for k, m in sorted(metrics.items()) if m.get("retrieval_errors")}
     out["insert_errors"] = sum(m.get("insert_errors", 0) for m in metrics.values())
-    # identical to the reference until a slot degraded (from then on it is another, equally valid run)
-    first_degraded = min(out["degraded"], default=None)
+    # identical to the reference until a slot degraded or was rolled out by other weights (from then on it is
+    # another, equally valid run)
+    first_degraded = min([*out["degraded"], *out["other_weights"]], default=None)
     div = out["first_divergent_step"]
     out["replayed_exactly"] = div is None or (first_degraded is not None and div >= first_degraded)
     if out["finished"]:
@@ -540,6 +560,7 @@ def main(argv=None) -> int:
         log(
             f"  {name}: rc {run['rc']}, {run['wall_s']:.0f} s, groups lost {result['lost_groups']} duplicated "
             f"{result['duplicated_groups']}, weights equal {result['weights_equal']}, degraded {result['degraded']}, "
+            f"rolled out by other weights {result['other_weights']}, "
             f"first step unlike the reference {result['first_divergent_step']}, "
             f"leftover processes {len(run['leftover_processes'])}"
         )
@@ -564,7 +585,7 @@ def main(argv=None) -> int:
             and not r["duplicated_groups"]
             and not r["leftover_processes"]
             and r["replayed_exactly"]
-            and (r["weights_equal"] or r["degraded"])
+            and (r["weights_equal"] or r["degraded"] or r["other_weights"])
             for r in runs
         )
         and not ref["leftover_processes"]
@@ -589,14 +610,15 @@ def table(report: dict) -> str:
         )
     lines += [
         "",
-        "| run | rc | wall s | lost groups | duplicated groups | degraded slots (step: n) | first step unlike the "
-        "reference | final weights equal | leftover processes |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| run | rc | wall s | lost groups | duplicated groups | degraded slots (step: n) | slots of other weights "
+        "(step: n) | first step unlike the reference | final weights equal | leftover processes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["runs"]:
         lines.append(
             f"| {r['name']} | {r['rc']} | {r['wall_s']:.0f} | {r['lost_groups']} | {r['duplicated_groups']} | "
-            f"{r['degraded'] or '-'} | {r['first_divergent_step'] or '-'} | {r['weights_equal']} | "
+            f"{r['degraded'] or '-'} | {r.get('other_weights') or '-'} | {r['first_divergent_step'] or '-'} | "
+            f"{r['weights_equal']} | "
             f"{len(r['leftover_processes'])} |"
         )
     return "\n".join(lines)

@@ -56,9 +56,13 @@ METHODS = {
     # the step-retrieval backend (retrieval.embedder): cheaper ways to match histories than MiniLM fp32
     "rapo onnx-int8": ["algo.name=rapo", "retrieval.embedder=minilm-onnx-int8"],
     "rapo bm25": ["algo.name=rapo", "retrieval.embedder=bm25"],
+    # bounded staleness (algo.max_staleness=1): the next step rolls out during the update, with the decoupled loss
+    "grpo async-1": ["algo.name=grpo", "algo.max_staleness=1", "algo.behaviour_correction=truncate"],
+    "rapo async-1": ["algo.name=rapo", "algo.max_staleness=1", "algo.behaviour_correction=truncate"],
 }
 TOOL_OPEN_TAGS = (protocol.PYTHON[0], protocol.SEARCH[0])
 DEFAULT_METHODS = ["grpo", "arpo", "rapo", "rapo w/o RR", "rapo w/o RIS"]
+PIPELINE_KEYS = ("ahead_rollout_s", "learner_wait_s", "staleness_mean")
 REWARD_KEYS = ("on_policy_reward", "hybrid_reward", "retrieval_reward")  # means over the run's steps
 STEP_KEYS = (
     "step_s",
@@ -74,15 +78,17 @@ STEP_KEYS = (
 )
 
 
-def run_one(method: str, seed: int, args, out: Path) -> dict | None:
-    name = f"{method.replace(' ', '_').replace('/', '')}-s{seed}"
+def train_once(name: str, overrides: list[str], seed: int, args, out: Path) -> Path | None:
+    """``jobs/train.py`` as run ``name`` under ``out/runs`` with the comparison's budget (``args``: config, steps,
+    prompts, eval_size, artifacts, overrides) and ``overrides``; a finished run (summary.json) is reused, an
+    interrupted one started again. Returns the run folder, None when the job failed (its log is named)."""
     run_dir = out / "runs" / name
     if not (run_dir / "summary.json").is_file():
         cmd = [
             sys.executable,
             str(REPO / "jobs" / "train.py"),
             *(["--config", args.config] if args.config else []),
-            *METHODS[method],
+            *overrides,
             f"trainer.seed={seed}",
             *([f"trainer.total_steps={args.steps}"] if args.steps else []),
             *([f"trainer.prompts_per_step={args.prompts}"] if args.prompts else []),
@@ -107,6 +113,13 @@ def run_one(method: str, seed: int, args, out: Path) -> dict | None:
             print(f"{name}: FAILED (exit {rc}); see {log}", flush=True)
             return None
         print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
+    return run_dir
+
+
+def run_one(method: str, seed: int, args, out: Path) -> dict | None:
+    run_dir = train_once(f"{method.replace(' ', '_').replace('/', '')}-s{seed}", METHODS[method], seed, args, out)
+    if run_dir is None:
+        return None
     summary = json.loads((run_dir / "summary.json").read_text())
     metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "reward" in m]
@@ -120,6 +133,11 @@ def run_one(method: str, seed: int, args, out: Path) -> dict | None:
         "wall": list(itertools.accumulate(m["step_s"] for m in steps)),  # seconds of training after each step
         "group_size": yaml.safe_load((run_dir / "config.yaml").read_text())["algo"]["group_size"],
         "per_step": {k: statistics.median(m[k] for m in steps) for k in STEP_KEYS if steps and k in steps[0]},
+        # algo.max_staleness >= 1: the rollouts made during updates and the wait for the learners after them
+        "pipelining": {
+            k: statistics.median(m[k] for m in steps if k in m) for k in PIPELINE_KEYS if any(k in m for m in steps)
+        },
+        "staleness_lags": summary.get("staleness_lags", {}),  # trajectories per policy-version lag at their update
         "rewards": {k: statistics.mean(m[k] for m in steps) for k in REWARD_KEYS if steps and k in steps[0]},
         "slot_success": slot_success(run_dir),
         "retrieved_wins": retrieved_wins(run_dir),

@@ -163,9 +163,17 @@ class TasksConfig:
 class RolloutConfig:
     engine: str = option(
         "auto",
-        "Inference backend: vllm, torch, or auto (vLLM where it imports, else torch).",
-        ("auto", "vllm", "torch"),
+        "Inference backend: vllm, torch, auto (vLLM where it imports, else torch), or simulated (no model: filler "
+        "tokens of sampled lengths and a modelled decode time, rollout.simulated_*; for scheduler studies).",
+        ("auto", "vllm", "torch", "simulated"),
     )
+    simulated_token_ms: float = option(
+        6.5,
+        "rollout.engine=simulated: decode time per token step (ms), an 8B model's on one GPU by default; a batched "
+        "call lasts its longest sequence's tokens x this.",
+    )
+    simulated_min_tokens: int = option(32, "rollout.engine=simulated: fewest tokens of a sampled step.")
+    simulated_max_tokens: int = option(256, "rollout.engine=simulated: most tokens of a sampled step.")
     num_workers: int = option(2, "Rollout worker actors at start.")
     min_workers: int = option(1, "Lower bound for fleet autoscaling.")
     max_workers: int = option(4, "Upper bound for fleet autoscaling.")
@@ -218,6 +226,11 @@ class RolloutConfig:
 
     def validate(self) -> None:
         require(self.num_workers >= 1, f"rollout.num_workers ({self.num_workers}) must be >= 1")
+        require(
+            self.simulated_token_ms >= 0 and 1 <= self.simulated_min_tokens <= self.simulated_max_tokens,
+            f"rollout.simulated_token_ms ({self.simulated_token_ms}) must be >= 0 and 1 <= rollout.simulated_min_tokens "
+            f"({self.simulated_min_tokens}) <= rollout.simulated_max_tokens ({self.simulated_max_tokens})",
+        )
         require(
             1 <= self.min_workers <= self.max_workers,
             f"rollout.min_workers ({self.min_workers}) must be in [1, rollout.max_workers={self.max_workers}]",
@@ -403,8 +416,9 @@ class AlgoConfig:
     norm_adv_by_std: bool = option(True, "Divide GRPO advantages by the group std (False: Dr. GRPO).")
     max_staleness: int = option(
         0,
-        "Max policy-version lag of a trajectory used for an update. Only 0 (the synchronous step) exists yet: "
-        "rolling out step t+1 while step t updates is issue #40.",
+        "Max policy-version lag k of a trajectory at its update. 0: the synchronous step. k >= 1: the fleet rolls "
+        "out steps t+1..t+k with the weights it has while the learners update on step t (engines and learners "
+        "busy at once); pair it with algo.behaviour_correction=truncate to correct for the lag.",
     )
     behaviour_correction: str = option(
         "none",
@@ -430,11 +444,7 @@ class AlgoConfig:
         )
         require(self.dual_clip == 0 or self.dual_clip > 1, f"algo.dual_clip ({self.dual_clip}) must be 0 (off) or > 1")
         require(self.behaviour_cap > 1, f"algo.behaviour_cap ({self.behaviour_cap}) must be > 1")
-        require(
-            self.max_staleness == 0,
-            f"algo.max_staleness={self.max_staleness}: only 0 (the synchronous step) is built; a value above 0 would "
-            "silently run synchronously",
-        )
+        require(self.max_staleness >= 0, f"algo.max_staleness ({self.max_staleness}) must be >= 0")
 
 
 @dataclass

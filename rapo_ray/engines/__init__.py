@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Callable
 
 from rapo_ray.engines.base import GenerationResult, InferenceEngine, SamplingParams
+from rapo_ray.engines.simulated import SimulatedEngine
 from rapo_ray.engines.torch_engine import TorchEngine
 from rapo_ray.engines.vllm_engine import VLLMEngine, vllm_available
 
@@ -20,8 +21,8 @@ def resolve_engine_name(requested: str) -> str:
         raise RuntimeError(
             "rollout.engine=vllm but vLLM does not import here; install the cpu/gpu extra or use rollout.engine=torch"
         )
-    if requested not in ("vllm", "torch"):
-        raise ValueError(f"rollout.engine={requested!r}; valid: auto, vllm, torch")
+    if requested not in ("vllm", "torch", "simulated"):
+        raise ValueError(f"rollout.engine={requested!r}; valid: auto, vllm, torch, simulated")
     return requested
 
 
@@ -52,4 +53,13 @@ def make_engine(
             threads=rollout_cfg.threads_per_worker,
         )
 
+    if name == "simulated":
+        _, tokenizer = loader(model_dir, dtype)
+        return SimulatedEngine(
+            tokenizer,
+            rollout_cfg.simulated_token_ms,
+            rollout_cfg.simulated_min_tokens,
+            rollout_cfg.simulated_max_tokens,
+            seed=seed,
+        )
     return TorchEngine(*loader(model_dir, dtype), device=device)

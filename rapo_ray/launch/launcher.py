@@ -438,6 +438,8 @@ def run(cfg: Config, log=print) -> dict:
             "checkpoint": str(ck),
             "steps": trainer.step_idx,
             "learner_failures": failures,
+            # trajectories per policy-version lag at their update (algo.max_staleness); all 0 when synchronous
+            "staleness_lags": {str(lag): n for lag, n in sorted(trainer.lag_counts.items())},
             "before": before,
             "after": after,
             "paired_change": change,

@@ -3,6 +3,11 @@
     step:  sample prompts -> rollout (fleet) -> old-policy pass (learners: log-probs, entropies)
            -> advantages (the algorithm's estimator) -> PPO update (learners) -> weight sync (collective)
 
+With ``algo.max_staleness = k >= 1`` the learners' part (old-policy pass, advantages, update) runs in a driver
+thread while the fleet rolls out the next steps' groups (up to k ahead) with the weights it has; the weight sync
+waits for both, so a push never lands in the middle of a rollout and no sequence mixes two versions. k = 0 is
+the synchronous step (nothing runs ahead, no thread). The bookkeeping is in rapo_ray/training/staleness.py.
+
 Every stage reads and fills the same ``TrajectoryBatch`` (rapo_ray/types/batch.py). The Ray topology around it
 (Ray start-up, warm start, buffer, Serve, the training loop) is in rapo_ray/launch/launcher.py.
 """
@@ -11,9 +16,12 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import random
 import shutil
 import time
+from collections import Counter, deque
+from concurrent import futures
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,12 +40,22 @@ from rapo_ray.pipelines.sft import sft_span
 from rapo_ray.training.checkpoints import problem, write_manifest
 from rapo_ray.training.data_flow import compute_advantages
 from rapo_ray.training.reporting import step_metrics, write_trajectories
+from rapo_ray.training.staleness import (
+    RolloutAhead,
+    lag_histogram,
+    merge_rollout_stats,
+    replace_groups,
+    stale_groups,
+    staleness_metrics,
+)
 from rapo_ray.types.batch import TrajectoryBatch
 from rapo_ray.workers.learner import LearnerGroup
 from rapo_ray.workers.rollout import RolloutFleet
 from rapo_ray.workers.sync import WeightSync
 
 log = logging.getLogger("rapo_ray.training.trainer")
+
+AHEAD_FILE = "rollouts_ahead.pkl"  # in a checkpoint: the steps rolled out before their update (a pickled list)
 
 
 @dataclass
@@ -64,7 +82,16 @@ class Trainer:
         self.retrieval_app = retrieval_app
         self.tok = load_tokenizer(model_dir)
         self.train_tasks, self.test_tasks = tasks if tasks is not None else rl_task_pool(cfg)
-        self.step_idx, self.version = 0, 0
+        # version: the weights the fleet was last sent; learner_version: the learners' (one ahead during an update)
+        self.step_idx, self.version, self.learner_version = 0, 0, 0
+        self.ahead: deque[RolloutAhead] = deque()  # steps rolled out before their update (algo.max_staleness >= 1)
+        self.lag_counts: Counter = Counter()  # the run's trajectories per policy-version lag at their update
+        self._learning: futures.Future | None = None  # the learners' part of the step while it runs in its thread
+        self._learner_thread = (
+            futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="learners")
+            if cfg.algo.max_staleness > 0
+            else None
+        )
         self.run_metrics = RunMetrics(cfg.run.metrics_window)  # moving means and lifetime totals across steps
         self.rng = random.Random(cfg.trainer.seed)
         self.learners = LearnerGroup(cfg, model_dir)
@@ -78,32 +105,25 @@ class Trainer:
         cfg = self.cfg
         seconds: dict[str, float] = {}
         t_step = time.perf_counter()
-        # 1. sample prompts (one group per prompt)
-        groups = self._sample_groups(cfg.trainer.prompts_per_step)
-        # 2. rollout on the fleet (resized to the backlog first when autoscaling is on)
-        if cfg.rollout.autoscale:
-            self.fleet.autoscale(len(groups), cfg.rollout.groups_per_worker)
-        t0 = time.perf_counter()
-        batch, rollout_stats = self.fleet.run_step(
-            groups, cfg.algo.group_size, seed=cfg.trainer.seed * 7919 + self.step_idx
-        )
-        seconds["rollout_s"] = time.perf_counter() - t0
-        check_staleness(batch, self.version, cfg.algo)
-        # 3. old-policy pass: exact log-probs and full-vocabulary entropies
-        t0 = time.perf_counter()
-        self.learners.forward_old(batch)
-        seconds["old_logprob_s"] = time.perf_counter() - t0
-        # 4. advantages: the algorithm's estimator (GRPO outcome advantage; RAPO adds retrieval reward and shaping)
-        t0 = time.perf_counter()
-        compute_advantages(batch, self.algorithm, cfg.algo, on=cfg.trainer.advantages_on)
-        seconds["advantages_s"] = time.perf_counter() - t0
-        # 5. PPO update with global denominators per mini-batch
-        t0 = time.perf_counter()
-        update_stats = self.learners.update(batch, self.step_idx)
-        seconds["update_s"] = time.perf_counter() - t0
+        # 1-2. sample prompts (one group per prompt) and roll them out on the fleet, unless the last step's update
+        # already rolled them out (algo.max_staleness >= 1); groups too stale for the bound are rolled out again
+        ahead = self.ahead.popleft() if self.ahead else self._roll_out(self.step_idx)
+        if ahead.step != self.step_idx:  # the queue and the step count come from one checkpoint: a bug otherwise
+            raise RuntimeError(
+                f"the rollout made ahead is step {ahead.step + 1}'s, the trainer is at {self.step_idx + 1}"
+            )
+        batch, rollout_stats, dropped = self._within_bound(ahead)
+        seconds["rollout_s"] = ahead.rollout_s + rollout_stats.pop("rerollout_s", 0.0)
+        lags = lag_histogram(batch, self.learner_version)
+        # 3-5. the learners: old-policy pass, advantages, PPO update (and, with k >= 1, the next rollouts meanwhile)
+        if self._learner_thread is None:
+            update_stats, learner_seconds = self._learn(batch)
+        else:
+            update_stats, learner_seconds = self._learn_while_rolling_out(batch, seconds)
+        seconds.update(learner_seconds)
         # 6. weight sync to every rollout engine
         t0 = time.perf_counter()
-        self.version += 1
+        self.version = self.learner_version
         rollout_stats["replaced_workers"] += self.sync_weights()
         seconds["sync_s"] = time.perf_counter() - t0
         self.step_idx += 1
@@ -125,18 +145,102 @@ class Trainer:
         if inserted is not None:
             m["inserted_steps"] = max(inserted, 0)
             m["insert_errors"] = int(inserted < 0)
+        self.lag_counts.update(lags)
+        m.update(staleness_metrics(lags, dropped))
+        m.update({k: seconds[k] for k in ("ahead_rollout_s", "learner_wait_s") if k in seconds})
         m.update(self.run_metrics.update(m))
         return m
 
     # ------------------------------------------------------------ pieces of the step
 
-    def _sample_groups(self, n: int) -> list[tuple]:
+    def _roll_out(self, step: int) -> RolloutAhead:
+        """Sample step ``step``'s prompts and roll them out on the fleet (resized to the backlog first when
+        autoscaling is on). Steps are sampled in order, so a step's prompts and seed do not depend on whether it
+        was rolled out ahead."""
+        cfg = self.cfg
+        groups = self._sample_groups(cfg.trainer.prompts_per_step, step)
+        if cfg.rollout.autoscale:
+            self.fleet.autoscale(len(groups), cfg.rollout.groups_per_worker)
+        t0 = time.perf_counter()
+        batch, stats = self.fleet.run_step(groups, cfg.algo.group_size, seed=self._rollout_seed(step))
+        return RolloutAhead(step, groups, batch, stats, time.perf_counter() - t0)
+
+    def _rollout_seed(self, step: int) -> int:
+        return self.cfg.trainer.seed * 7919 + step
+
+    def _within_bound(self, ahead: RolloutAhead) -> tuple[TrajectoryBatch, dict, int]:
+        """The step's batch with every group more than ``algo.max_staleness`` versions behind the learners rolled
+        out again now (only after a resume with a smaller bound than the run saved with). Returns the batch, its
+        rollout stats (``rerollout_s``: the re-rollout's wall time) and how many groups were dropped."""
+        stale = stale_groups(ahead.batch, self.learner_version, self.cfg.algo.max_staleness)
+        stats = dict(ahead.stats)
+        if not stale:
+            return ahead.batch, stats, 0
+        redo = [(gid, task) for gid, task in ahead.groups if gid in stale]
+        log.warning(
+            "step %d: %d group(s) sampled more than algo.max_staleness=%d versions ago are rolled out again",
+            ahead.step + 1,
+            len(redo),
+            self.cfg.algo.max_staleness,
+        )
+        t0 = time.perf_counter()
+        fresh, fresh_stats = self.fleet.run_step(redo, self.cfg.algo.group_size, seed=self._rollout_seed(ahead.step))
+        stats = merge_rollout_stats(stats, fresh_stats)
+        stats["rerollout_s"] = time.perf_counter() - t0
+        return replace_groups(ahead, stale, fresh), stats, len(redo)
+
+    def _learn(self, batch: TrajectoryBatch) -> tuple[dict, dict[str, float]]:
+        """The learners' part of the step: old-policy pass (exact log-probs, full-vocabulary entropies), advantages
+        (the algorithm's estimator: GRPO's outcome advantage; RAPO adds the retrieval reward and shaping), PPO
+        update with global denominators per mini-batch. Returns the update's stats and the stage timings."""
+        seconds = {}
+        t0 = time.perf_counter()
+        self.learners.forward_old(batch)
+        seconds["old_logprob_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        compute_advantages(batch, self.algorithm, self.cfg.algo, on=self.cfg.trainer.advantages_on)
+        seconds["advantages_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        update_stats = self.learners.update(batch, self.step_idx)
+        seconds["update_s"] = time.perf_counter() - t0
+        self.learner_version += 1
+        return update_stats, seconds
+
+    def _learn_while_rolling_out(self, batch: TrajectoryBatch, seconds: dict) -> tuple[dict, dict[str, float]]:
+        """``_learn`` in the learner thread while this thread rolls out the next steps, at most
+        ``algo.max_staleness`` ahead and never past ``trainer.total_steps``; it stops starting rollouts once the
+        learners are done, so their weights reach the fleet without waiting for more. ``seconds`` gets
+        ``ahead_rollout_s`` (the rollouts made meanwhile) and ``learner_wait_s`` (the wait for the learners after
+        them: the update's time that no rollout covered)."""
+        cfg = self.cfg
+        self._learning = learning = self._learner_thread.submit(self._learn, batch)
+        t0 = time.perf_counter()
+        try:
+            while not learning.done() and len(self.ahead) < cfg.algo.max_staleness:
+                next_step = self.step_idx + 1 + len(self.ahead)
+                if next_step >= cfg.trainer.total_steps:
+                    break
+                self.ahead.append(self._roll_out(next_step))
+            seconds["ahead_rollout_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            futures.wait([learning])
+            seconds["learner_wait_s"] = time.perf_counter() - t0
+        except BaseException:
+            futures.wait([learning])  # the learners' part never outlives its step
+            if learning.exception() is not None:  # a lost learner is the launcher's to rebuild: it wins
+                raise learning.exception() from None
+            raise
+        finally:
+            self._learning = None
+        return learning.result()
+
+    def _sample_groups(self, n: int, step: int) -> list[tuple]:
         fams = list(self.train_tasks)
         out = []
         for k in range(n):
-            fam = fams[(self.step_idx * n + k) % len(fams)]
+            fam = fams[(step * n + k) % len(fams)]
             task = self.rng.choice(self.train_tasks[fam])
-            out.append((f"s{self.step_idx}-g{k}-{task.id}", task))
+            out.append((f"s{step}-g{k}-{task.id}", task))
         return out
 
     def _insert_on_policy(self, batch: TrajectoryBatch) -> int:
@@ -168,9 +272,16 @@ class Trainer:
 
     def _bring_up_to_date(self, workers: list) -> None:
         """A worker that joins mid-run (scale-up, replacement) starts from the model folder, version 0: it gets
-        the learners' current weights before its first rollout."""
-        if self.version > 0:
-            self.sync.push(self.learners.workers, workers, self.version)
+        the learners' current weights before its first rollout. During an update in the learner thread
+        (algo.max_staleness >= 1) it waits for the update's end and gets the updated weights; after a failed
+        update it gets nothing (the step fails where it waits for the learners)."""
+        learning = self._learning
+        if learning is not None:
+            futures.wait([learning])
+            if learning.exception() is not None:
+                return
+        if self.learner_version > 0:
+            self.sync.push(self.learners.workers, workers, self.learner_version)
 
     # ------------------------------------------------------------ evaluation and checkpoints
 
@@ -201,9 +312,12 @@ class Trainer:
         if tmp.exists():
             shutil.rmtree(tmp)
         self.learners.save(tmp, self.model_dir)
+        if self.ahead:  # the rollouts made ahead of their update: a resume uses them as the straight run would
+            (tmp / AHEAD_FILE).write_bytes(pickle.dumps(list(self.ahead)))
         state = {
             "step": self.step_idx,
             "version": self.version,
+            "lag_counts": {str(lag): c for lag, c in self.lag_counts.items()},
             "rng": self.rng.getstate(),
             "workers": len(self.fleet.workers),
             "torch_rng": torch.get_rng_state().tolist(),
@@ -227,6 +341,10 @@ class Trainer:
         self.learners.load(path)
         state = json.loads((path / "trainer_state.json").read_text())
         self.step_idx, self.version = state["step"], state["version"]
+        self.learner_version = self.version
+        self.lag_counts = Counter({int(lag): c for lag, c in state.get("lag_counts", {}).items()})
+        ahead = path / AHEAD_FILE
+        self.ahead = deque(pickle.loads(ahead.read_bytes()) if ahead.is_file() else [])
         rs = state["rng"]
         self.rng.setstate((rs[0], tuple(rs[1]), rs[2]))
         torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
@@ -237,6 +355,8 @@ class Trainer:
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the fleet, the weight sync and the learners. ``graceful=False`` after a learner died."""
+        if self._learner_thread is not None:
+            self._learner_thread.shutdown(wait=True)
         self.fleet.shutdown()
         self.sync.close()
         self.learners.shutdown(graceful)
@@ -262,13 +382,6 @@ def push_weights(sync: WeightSync, fleet: RolloutFleet, learners: list, version:
         replaced += fleet.replace_dead("weight sync", bring_up=False)
         sync.push(learners, fleet.handles(), version)
     return replaced
-
-
-def check_staleness(batch: TrajectoryBatch, version: int, algo_cfg) -> None:
-    """Refuse trajectories sampled more than ``algo.max_staleness`` policy versions ago."""
-    lag = max((version - t.policy_version) for t in batch) if len(batch) else 0
-    if lag > algo_cfg.max_staleness:
-        raise RuntimeError(f"trajectories are {lag} policy versions old (algo.max_staleness={algo_cfg.max_staleness})")
 
 
 def rl_task_pool(cfg: Config) -> tuple[dict, dict]:

@@ -158,7 +158,7 @@ def test_each_section_checks_its_own_fields():
         ("rollout.top_p=0", r"rollout.top_p in \(0, 1\]"),
         ("algo.behaviour_cap=1", r"algo.behaviour_cap \(1.0\) must be > 1"),
         ("algo.behaviour_correction=clip", r"algo.behaviour_correction: 'clip' is not one of"),
-        ("algo.max_staleness=1", r"algo.max_staleness=1: only 0 \(the synchronous step\) is built"),
+        ("algo.max_staleness=-1", r"algo.max_staleness \(-1\) must be >= 0"),
     ):
         with pytest.raises(ConfigError, match=message):
             load_config(overrides=[override])

@@ -177,3 +177,27 @@ def test_torch_engine_creates_every_tensor_on_the_model_device(tiny_model_dir, t
         with torch.device("meta"):
             got = [[r.token_ids for r in engine.generate(prompts, sp)] for sp in params]
         assert got[:2] == expected and all(len(t) == 5 for t in got[2])
+
+
+def test_simulated_engine_models_a_batched_decode(tiny_tokenizer, monkeypatch):
+    from rapo_ray.engines import simulated
+    from rapo_ray.engines.simulated import SimulatedEngine
+
+    slept = []
+    monkeypatch.setattr(simulated.time, "sleep", slept.append)
+    engine = SimulatedEngine(tiny_tokenizer, token_ms=10.0, min_tokens=3, max_tokens=9, seed=0)
+    params = [SamplingParams(max_new_tokens=5), SamplingParams(max_new_tokens=64), SamplingParams(max_new_tokens=64)]
+    out = engine.generate([[1, 2]] * 3, params)
+    lengths = [len(r.token_ids) for r in out]
+    assert lengths[0] <= 5 and all(3 <= n <= 9 for n in lengths)  # sampled in [3, 9], capped by max_new_tokens
+    assert [r.finish_reason for r in out] == [
+        "length" if n == p.max_new_tokens else "stop" for n, p in zip(lengths, params)
+    ]
+    assert slept == [pytest.approx(max(lengths) * 0.010)]  # the batch lasts its longest sequence
+    assert engine.decoded_tokens == sum(lengths) and all(r.logprobs == [0.0] * len(r.token_ids) for r in out)
+    # the filler closes no tag: the agent loop ends the trajectory at it
+    assert "<" not in tiny_tokenizer.decode(out[1].token_ids)
+    engine.load_weights({}, 7)
+    assert engine.version == 7
+    with pytest.raises(ValueError, match="min_tokens <= max_tokens"):
+        SimulatedEngine(tiny_tokenizer, token_ms=1.0, min_tokens=5, max_tokens=4)
