@@ -112,14 +112,13 @@ class Trainer:
             raise RuntimeError(
                 f"the rollout made ahead is step {ahead.step + 1}'s, the trainer is at {self.step_idx + 1}"
             )
-        batch, rollout_stats, dropped = self._within_bound(ahead)
-        seconds["rollout_s"] = ahead.rollout_s + rollout_stats.pop("rerollout_s", 0.0)
+        batch, rollout_stats, dropped, seconds["rollout_s"] = self._within_bound(ahead)
         lags = lag_histogram(batch, self.learner_version)
         # 3-5. the learners: old-policy pass, advantages, PPO update (and, with k >= 1, the next rollouts meanwhile)
         if self._learner_thread is None:
             update_stats, learner_seconds = self._learn(batch)
         else:
-            update_stats, learner_seconds = self._learn_while_rolling_out(batch, seconds)
+            update_stats, learner_seconds = self._learn_while_rolling_out(batch)
         seconds.update(learner_seconds)
         # 6. weight sync to every rollout engine
         t0 = time.perf_counter()
@@ -168,14 +167,13 @@ class Trainer:
     def _rollout_seed(self, step: int) -> int:
         return self.cfg.trainer.seed * 7919 + step
 
-    def _within_bound(self, ahead: RolloutAhead) -> tuple[TrajectoryBatch, dict, int]:
+    def _within_bound(self, ahead: RolloutAhead) -> tuple[TrajectoryBatch, dict, int, float]:
         """The step's batch with every group more than ``algo.max_staleness`` versions behind the learners rolled
         out again now (only after a resume with a smaller bound than the run saved with). Returns the batch, its
-        rollout stats (``rerollout_s``: the re-rollout's wall time) and how many groups were dropped."""
+        rollout stats, how many groups were dropped and the rollout's wall time (the re-rollout's included)."""
         stale = stale_groups(ahead.batch, self.learner_version, self.cfg.algo.max_staleness)
-        stats = dict(ahead.stats)
         if not stale:
-            return ahead.batch, stats, 0
+            return ahead.batch, dict(ahead.stats), 0, ahead.rollout_s
         redo = [(gid, task) for gid, task in ahead.groups if gid in stale]
         log.warning(
             "step %d: %d group(s) sampled more than algo.max_staleness=%d versions ago are rolled out again",
@@ -185,9 +183,9 @@ class Trainer:
         )
         t0 = time.perf_counter()
         fresh, fresh_stats = self.fleet.run_step(redo, self.cfg.algo.group_size, seed=self._rollout_seed(ahead.step))
-        stats = merge_rollout_stats(stats, fresh_stats)
-        stats["rerollout_s"] = time.perf_counter() - t0
-        return replace_groups(ahead, stale, fresh), stats, len(redo)
+        rerollout_s = time.perf_counter() - t0
+        stats = merge_rollout_stats(ahead.stats, fresh_stats)
+        return replace_groups(ahead, stale, fresh), stats, len(redo), ahead.rollout_s + rerollout_s
 
     def _learn(self, batch: TrajectoryBatch) -> tuple[dict, dict[str, float]]:
         """The learners' part of the step: old-policy pass (exact log-probs, full-vocabulary entropies), advantages
@@ -206,13 +204,14 @@ class Trainer:
         self.learner_version += 1
         return update_stats, seconds
 
-    def _learn_while_rolling_out(self, batch: TrajectoryBatch, seconds: dict) -> tuple[dict, dict[str, float]]:
+    def _learn_while_rolling_out(self, batch: TrajectoryBatch) -> tuple[dict, dict[str, float]]:
         """``_learn`` in the learner thread while this thread rolls out the next steps, at most
         ``algo.max_staleness`` ahead and never past ``trainer.total_steps``; it stops starting rollouts once the
-        learners are done, so their weights reach the fleet without waiting for more. ``seconds`` gets
-        ``ahead_rollout_s`` (the rollouts made meanwhile) and ``learner_wait_s`` (the wait for the learners after
-        them: the update's time that no rollout covered)."""
+        learners are done, so their weights reach the fleet without waiting for more. Returns ``_learn``'s stats
+        and timings, the latter with ``ahead_rollout_s`` (the rollouts made meanwhile) and ``learner_wait_s`` (the
+        wait for the learners after them: the update's time that no rollout covered)."""
         cfg = self.cfg
+        seconds = {}
         self._learning = learning = self._learner_thread.submit(self._learn, batch)
         t0 = time.perf_counter()
         try:
@@ -232,7 +231,8 @@ class Trainer:
             raise
         finally:
             self._learning = None
-        return learning.result()
+        update_stats, learner_seconds = learning.result()
+        return update_stats, {**learner_seconds, **seconds}
 
     def _sample_groups(self, n: int, step: int) -> list[tuple]:
         fams = list(self.train_tasks)
