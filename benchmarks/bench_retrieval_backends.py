@@ -31,9 +31,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+import ray
 import torch
 from bench_query_forms import collection_rows, run_queries
 from load import percentile_ms, run_clients
+from ray import serve
 
 from rapo_ray.agent.retriever import StoredStep, query_text
 from rapo_ray.config import load_config
@@ -143,9 +145,6 @@ def quality(args, cfg, backends, encoders, keys, queries) -> dict:
 
 
 def latency(args, backends, files, keys, queries) -> dict:
-    import ray
-    from ray import serve
-
     ray.init(
         address="local",
         num_cpus=2,
@@ -155,57 +154,63 @@ def latency(args, backends, files, keys, queries) -> dict:
         log_to_driver=False,
     )
     serve.start(http_options={"host": "127.0.0.1", "port": 0})
-    server = MilvusLiteServer(Path(args.scratch) / "milvus")
     out = {}
     try:
         for backend in backends:
-            cfg = load_config(
-                overrides=[
-                    f"retrieval.collection=bench_{backend.replace('-', '_')}",
-                    f"retrieval.embedder={backend}",
-                    "retrieval.embed_cache_size=0",
-                ]
-            )
-            enc = make_encoder(backend, files[backend], cfg.retrieval.pooling, cfg.retrieval.query_max_chars)
-            store = MilvusStepStore(server.uri, cfg.retrieval.collection, dim=enc.dim)
-            steps = [StoredStep(r["key"], "<think>x</think>", [0], 1.0, r["question_id"], 0, "bench") for r in keys]
-            store.upsert_rows(step_rows(steps, enc.embed([s.key for s in steps])))
-            store.flush()
-            store.close()
-            serve.run(
-                build_app(cfg.retrieval, server.uri, embedder_files=files[backend]), name="bench", route_prefix="/b"
-            )
-            handle = serve.get_deployment_handle("StepRetriever", app_name="bench")
-            texts = [q["text"][-cfg.retrieval.query_max_chars :] for q in queries]
-            out[backend] = {}
-            for clients in [int(c) for c in args.clients.split(",")]:
-                lat, lock, stop = [], threading.Lock(), time.perf_counter() + args.seconds
-
-                def client(k, lat=lat, lock=lock, stop=stop):
-                    i = k
-                    while time.perf_counter() < stop:
-                        t = time.perf_counter()
-                        handle.retrieve.remote([texts[i % len(texts)]], 1).result()
-                        with lock:
-                            lat.append(time.perf_counter() - t)
-                        i += clients
-
-                wall = run_clients(client, clients)
-                lat.sort()
-                out[backend][clients] = {
-                    "requests": len(lat),
-                    "rps": len(lat) / wall,
-                    "p50_ms": percentile_ms(lat, 0.5),
-                    "p99_ms": percentile_ms(lat, 0.99),
-                }
-                print(
-                    backend, clients, json.dumps({k: round(v, 1) for k, v in out[backend][clients].items()}), flush=True
-                )
-            serve.delete("bench")
+            # One milvus-lite server per backend: a server kept across backends dropped the driver's connection
+            # (gRPC GOAWAY "too_many_pings") while the previous backend was under load.
+            server = MilvusLiteServer(Path(args.scratch) / "milvus" / backend)
+            try:
+                out[backend] = backend_latency(args, backend, files[backend], server.uri, keys, queries)
+            finally:
+                serve.delete("bench")
+                server.stop()
     finally:
         serve.shutdown()
-        server.stop()
         ray.shutdown()
+    return out
+
+
+def backend_latency(args, backend: str, files, uri: str, keys, queries) -> dict:
+    """One backend's Serve deployment over the run's keys, loaded by 1/8/32 closed-loop clients."""
+    cfg = load_config(
+        overrides=[
+            f"retrieval.collection=bench_{backend.replace('-', '_')}",
+            f"retrieval.embedder={backend}",
+            "retrieval.embed_cache_size=0",
+        ]
+    )
+    enc = make_encoder(backend, files, cfg.retrieval.pooling, cfg.retrieval.query_max_chars)
+    store = MilvusStepStore(uri, cfg.retrieval.collection, dim=enc.dim)
+    steps = [StoredStep(r["key"], "<think>x</think>", [0], 1.0, r["question_id"], 0, "bench") for r in keys]
+    store.upsert_rows(step_rows(steps, enc.embed([s.key for s in steps])))
+    store.flush()
+    store.close()
+    serve.run(build_app(cfg.retrieval, uri, embedder_files=files), name="bench", route_prefix="/b")
+    handle = serve.get_deployment_handle("StepRetriever", app_name="bench")
+    texts = [q["text"][-cfg.retrieval.query_max_chars :] for q in queries]
+    out = {}
+    for clients in [int(c) for c in args.clients.split(",")]:
+        lat, lock, stop = [], threading.Lock(), time.perf_counter() + args.seconds
+
+        def client(k, lat=lat, lock=lock, stop=stop):
+            i = k
+            while time.perf_counter() < stop:
+                t = time.perf_counter()
+                handle.retrieve.remote([texts[i % len(texts)]], 1).result()
+                with lock:
+                    lat.append(time.perf_counter() - t)
+                i += clients
+
+        wall = run_clients(client, clients)
+        lat.sort()
+        out[clients] = {
+            "requests": len(lat),
+            "rps": len(lat) / wall,
+            "p50_ms": percentile_ms(lat, 0.5),
+            "p99_ms": percentile_ms(lat, 0.99),
+        }
+        print(backend, clients, json.dumps({k: round(v, 1) for k, v in out[clients].items()}), flush=True)
     return out
 
 

@@ -65,7 +65,7 @@ def _stop_pids(path: str) -> None:
 
 
 @contextlib.contextmanager
-def _scenario_dir(prefix: str):
+def scenario_dir(prefix: str):
     """A temporary folder for one scenario's Ray session and artifacts. Every process started under it is stopped
     afterwards; the folder is removed after a scenario that succeeded and kept (Ray's logs) after one that failed."""
     tmp = short_temp_dir(prefix)  # Ray's sockets live under it
@@ -113,7 +113,7 @@ def _wait(pred, timeout: float, poll: float = 0.25) -> float:
 def autoscale(timeout: float) -> dict:
     import yaml
 
-    with _scenario_dir("rapo_fake_") as tmp:
+    with scenario_dir("rapo_fake_") as tmp:
         port = free_port()
         env = dict(os.environ, **ENV, RAY_FAKE_CLUSTER="1", RAY_AUTH_TOKEN=secrets.token_hex(32))
         os.environ.update({k: env[k] for k in ENV} | {"RAY_AUTH_TOKEN": env["RAY_AUTH_TOKEN"]})
@@ -187,9 +187,14 @@ def autoscale(timeout: float) -> dict:
 # ---------------------------------------------------------------- node loss (ray.cluster_utils.Cluster)
 
 
-def _cluster(tmp: str):
-    os.environ.update(ENV)  # before Ray is imported: it reads the auth mode once
-    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+def local_cluster(tmp: str, auth: bool = True):
+    """A ``ray.cluster_utils.Cluster`` head (1 CPU) whose session lives under ``tmp``. ``auth``: token
+    authentication, which must be set before Ray is imported (it reads the auth mode once); a caller that imported
+    Ray already passes False."""
+    env = ENV if auth else {k: v for k, v in ENV.items() if k != "RAY_AUTH_MODE"}
+    os.environ.update(env)
+    if auth:
+        os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
     # Cluster writes the head's address to <Ray temp root>/ray/ray_current_cluster whatever temp_dir says; without
     # this it would be the machine's /tmp/ray (missing on a fresh machine, and a running cluster's file to clobber).
     os.environ["RAY_TMPDIR"] = tmp
@@ -204,7 +209,7 @@ def _cluster(tmp: str):
             "node_ip_address": "127.0.0.1",
             "temp_dir": f"{tmp}/ray",
             "include_dashboard": False,
-            "env_vars": {k: v for k, v in ENV.items()},
+            "env_vars": dict(env),
         },
     )
 
@@ -212,8 +217,8 @@ def _cluster(tmp: str):
 def node_loss(timeout: float) -> dict:
     """Two rollout workers on two nodes (plus a spare node); the node of the first worker that takes work is
     removed right after its groups are dispatched, while they are in flight."""
-    with _scenario_dir("rapo_nodeloss_") as tmp:
-        ray, cluster = _cluster(tmp)
+    with scenario_dir("rapo_nodeloss_") as tmp:
+        ray, cluster = local_cluster(tmp)
         nodes = [
             cluster.add_node(num_cpus=1, resources={"rollout_node": 1}, node_ip_address="127.0.0.1") for _ in range(3)
         ]
@@ -271,8 +276,8 @@ def node_loss(timeout: float) -> dict:
 def learner_loss(timeout: float) -> dict:
     """An 8-step GRPO run whose learners sit on their own node; that node dies after the step-2 checkpoint, a new
     one joins 5 s later, and the run rebuilds from the checkpoint and finishes all steps."""
-    with _scenario_dir("rapo_learnerloss_") as tmp:
-        ray, cluster = _cluster(tmp)
+    with scenario_dir("rapo_learnerloss_") as tmp:
+        ray, cluster = local_cluster(tmp)
         cluster.add_node(num_cpus=2, resources={"rollout_node": 2}, node_ip_address="127.0.0.1")
         learner_node = cluster.add_node(num_cpus=2, resources={"learner_node": 2}, node_ip_address="127.0.0.1")
         cluster.wait_for_nodes()

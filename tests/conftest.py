@@ -108,7 +108,9 @@ def serve_url(ray_session):
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    return f"http://127.0.0.1:{port}"
+    yield f"http://127.0.0.1:{port}"
+    # before Ray goes: a Serve router thread left running re-connected to Ray at interpreter exit
+    serve.shutdown()
 
 
 @pytest.fixture(scope="session")

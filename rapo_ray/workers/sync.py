@@ -229,19 +229,31 @@ class ReusedBuffers:
         return buf[:numel]
 
 
+def member_key(handle) -> str:
+    """A sync member's identity: its actor's id, or the handle's own ``member_key`` where several members share
+    one actor (the control-plane benchmark's packed engines)."""
+    return handle._actor_id.hex() if isinstance(handle, ray.actor.ActorHandle) else handle.member_key
+
+
 class SyncGroup:
     """One member's end of a weight-sync group: a gloo process group on the run's store, under ``name``."""
 
-    def __init__(self, host: str, port: int, name: str, rank: int, world: int, timeout_s: float):
+    def __init__(self, host: str, port: int, name: str, rank: int, world: int, timeout_s: float, store=None):
         """``host``: the store's address; 127.0.0.1 means every member is on this one machine, and then the
-        members' own sockets stay on loopback too."""
+        members' own sockets stay on loopback too. ``store``: a client of that store to share (members packed in
+        one process); default, a connection of this member's own."""
         import torch.distributed as dist
 
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        if store is None:
+            store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
         opts = dist.ProcessGroupGloo._Options()
         my_ip = host if host == "127.0.0.1" else ray.util.get_node_ip_address()
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=my_ip)]
+        # lazy: a pair of members connects when it first exchanges data. Eagerly, every member connected to every
+        # other as the group formed: N(N-1)/2 connections, N-1 sockets in each member (128 members: 1.1 s against
+        # 0.07 s lazily; 192 in one process passed its open-file limit; docs/RESULTS.md), though only the learner
+        # ranks send data to the workers.
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=my_ip, lazy_init=True)]
         opts._timeout = timeout
         self.name, self.rank, self.world = name, rank, world
         self.spec: bytes | None = None  # the last push's spec: a push with the same layout does not resend it
@@ -250,12 +262,14 @@ class SyncGroup:
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, world, opts)
 
     @classmethod
-    def join(cls, previous: SyncGroup | None, host: str, port: int, name: str, rank: int, world: int, timeout_s):
+    def join(
+        cls, previous: SyncGroup | None, host: str, port: int, name: str, rank: int, world: int, timeout_s, store=None
+    ):
         """Leave ``previous`` (if any) and become ``rank`` of ``name``: what a learner or a worker does when the
         driver forms a new group."""
         if previous is not None:
             previous.abort()
-        group = cls(host, port, name, rank, world, timeout_s)
+        group = cls(host, port, name, rank, world, timeout_s, store)
         if previous is not None:
             group.buffers = previous.buffers  # (already paged in)
         return group
@@ -438,14 +452,15 @@ class WeightSync:
 
     @staticmethod
     def _key(members: list) -> tuple:
-        return tuple(m._actor_id.hex() for m in members)
+        return tuple(member_key(m) for m in members)
 
     def needs_new_group(self, learners: list, workers: list) -> bool:
         """Whether a push to these members forms a new group (the fleet changed, or the last push failed)."""
         return self._key([*learners, *workers]) != self.members
 
-    def _ensure_group(self, learners: list, workers: list) -> None:
-        """Sync ranks: the learner ranks first (0..L-1, each its own rank), then the workers."""
+    def form_group(self, learners: list, workers: list) -> None:
+        """Form the group of these members unless it is the current one (``push`` does it first). Sync ranks: the
+        learner ranks first (0..L-1, each its own rank), then the workers."""
         members = [*learners, *workers]
         key = self._key(members)
         if key == self.members:
@@ -467,7 +482,7 @@ class WeightSync:
         ``learners``: every learner rank's actor, rank 0 first (each sends its own shard)."""
         t0 = time.perf_counter()
         try:
-            self._ensure_group(learners, workers)
+            self.form_group(learners, workers)
             sends = [r.send_weights.remote(version, self.bucket_bytes, self.dtype, len(learners)) for r in learners]
             recvs = [w.receive_weights.remote() for w in workers]
             results = self._wait(sends + recvs, "sending", n_learners=len(sends))

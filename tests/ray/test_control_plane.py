@@ -1,0 +1,26 @@
+"""benchmarks/control_plane.py's packed engines on the suite's local Ray: the real fleet and weight sync drive many
+engines per process, and a host's death re-queues its engines' groups exactly once."""
+
+from __future__ import annotations
+
+import argparse
+
+from tests.helpers import benchmark_module
+
+
+def test_packed_fleet_steps_kill_and_sync(ray_session):
+    control_plane = benchmark_module("control_plane")
+    args = argparse.Namespace(hosts=2, steps=1, group_size=2, decode_s=1.0, model_kb=4, timeout=60.0)
+    out = control_plane.fleet_size(args, 6)
+    assert (out["hosts"], out["per_host"]) == (2, 3)
+    for step in (out["first_step"], *out["steps"]):
+        assert step["each_group_once"] and step["trajectories"] == 12
+        assert step["requeued_groups"] == step["replaced_workers"] == 0
+        assert step["wall_s"] >= args.decode_s
+    kill = out["kill"]  # one host of two (3 engines, one group each) killed once every group was out
+    assert kill["killed_engines"] == 3
+    assert kill["requeued_groups"] == 3 and kill["replaced_workers"] == 3
+    assert kill["each_group_once"] and kill["trajectories"] == 12
+    sync = out["sync"]  # 6 engines + the stub learner; pushes 1 and 2, then 3 to the fleet with its replacements
+    assert sync["members"] == 7 and sync["replaced_at_push"] == 0
+    assert out["ping_all_s"] > 0 and out["driver_rss_mb"] > 0
