@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/weight_change.py --base <artifacts>/cold-start-<hash> \
         --runs <out>/runs/grpo-s0 <out>/runs/rapo-s0
 
-For each run, its last checkpoint (``checkpoints/step-*/model.safetensors``) against ``--base``'s
-``model.safetensors``: the relative L2 change ||w - w0|| / ||w0|| over all parameters and the largest single
+For each run, its newest complete checkpoint (``checkpoints/step-*`` with its COMPLETE marker, found as
+``resolve_checkpoint`` finds it for serving and evaluation) against ``--base``'s ``model.safetensors``: the relative L2 change ||w - w0|| / ||w0|| over all parameters and the largest single
 change max |w - w0|. With Adam every parameter moves at most about ``lr`` per optimizer step, so after S steps
 max |w - w0| <= ~S x lr: a value at that bound says the run moved its weights as far as its steps allowed, and a
 comparison of arms whose weights moved 1e-5 of their norm can only differ where greedy decoding sits on a knife
@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+
+from rapo_ray.core.errors import ModelLoadError
+from rapo_ray.model.factory import resolve_checkpoint
 
 
 def weight_change(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict:
@@ -39,11 +41,13 @@ def weight_change(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -
     return {"relative_l2": (diff_sq**0.5) / (base_sq**0.5) if base_sq else 0.0, "max_abs": max_abs}
 
 
-def last_checkpoint(run_dir: Path) -> Path:
-    found = sorted((run_dir / "checkpoints").glob("step-*/model.safetensors"))
-    if not found:
-        raise FileNotFoundError(f"{run_dir}: no checkpoints/step-*/model.safetensors (was checkpointing on?)")
-    return found[-1]
+def load_weights(path: str | Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """The folder ``path`` resolves to (a model folder, or a run's newest complete checkpoint) and its weights."""
+    folder = resolve_checkpoint(path)
+    weights = folder / "model.safetensors"
+    if not weights.is_file():
+        raise ModelLoadError(f"{folder}: no model.safetensors (weight_change reads single-file checkpoints)")
+    return folder, load_file(str(weights))
 
 
 def main() -> int:
@@ -51,14 +55,10 @@ def main() -> int:
     ap.add_argument("--base", required=True, help="the starting model's folder (holds model.safetensors)")
     ap.add_argument("--runs", nargs="+", required=True, help="run folders (each with checkpoints/step-*)")
     args = ap.parse_args()
-    base_file = Path(args.base) / "model.safetensors"
-    if not base_file.is_file():
-        print(f"--base {args.base}: no model.safetensors there", file=sys.stderr)
-        return 2
-    base = load_file(str(base_file))
+    _, base = load_weights(args.base)
     for run in args.runs:
-        ckpt = last_checkpoint(Path(run))
-        print(json.dumps({"run": run, "checkpoint": ckpt.parent.name, **weight_change(base, load_file(str(ckpt)))}))
+        folder, weights = load_weights(run)
+        print(json.dumps({"run": run, "checkpoint": folder.name, **weight_change(base, weights)}))
     return 0
 
 

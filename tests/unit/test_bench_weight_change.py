@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
+from rapo_ray.core.errors import ModelLoadError
 from tests.helpers import benchmark_module
 
 
@@ -26,7 +28,16 @@ def test_a_missing_or_reshaped_tensor_is_named():
         wc.weight_change(base, {"layer.w": torch.ones(3)})
 
 
-def test_a_run_without_checkpoints_is_an_error_that_names_it(tmp_path):
+def test_a_run_without_a_complete_checkpoint_is_an_error_that_names_it(tmp_path):
     wc = benchmark_module("weight_change")
-    with pytest.raises(FileNotFoundError, match=str(tmp_path)):
-        wc.last_checkpoint(tmp_path)
+    with pytest.raises(ModelLoadError, match=str(tmp_path)):
+        wc.load_weights(tmp_path)
+    step = tmp_path / "checkpoints" / "step-000030"  # written, but the save never finished (no COMPLETE marker)
+    step.mkdir(parents=True)
+    (step / "config.json").write_text("{}")
+    save_file({"w": torch.ones(2)}, str(step / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=str(tmp_path)):
+        wc.load_weights(tmp_path)
+    (step / "COMPLETE").write_text("ok\n")
+    folder, weights = wc.load_weights(tmp_path)
+    assert folder == step and weights["w"].tolist() == [1.0, 1.0]
