@@ -4,10 +4,11 @@
         --runs <out>/runs/grpo-s0 <out>/runs/rapo-s0
 
 For each run, its newest complete checkpoint (``checkpoints/step-*`` with its COMPLETE marker, found as
-``resolve_checkpoint`` finds it for serving and evaluation) against ``--base``'s ``model.safetensors``: the relative L2 change ||w - w0|| / ||w0|| over all parameters and the largest single
-change max |w - w0|. With Adam every parameter moves at most about ``lr`` per optimizer step, so after S steps
-max |w - w0| <= ~S x lr: a value at that bound says the run moved its weights as far as its steps allowed, and a
-comparison of arms whose weights moved 1e-5 of their norm can only differ where greedy decoding sits on a knife
+``resolve_checkpoint`` finds it for serving and evaluation) against ``--base``'s ``model.safetensors``: the
+relative L2 change ||w - w0|| / ||w0|| over all parameters and the largest single change max |w - w0|. With Adam
+every parameter moves at most about ``lr`` per optimizer step, so after S steps max |w - w0| <= ~S x lr: a value at
+that bound says the run moved its weights as far as its steps allowed, and a comparison of arms whose weights moved
+1e-5 of their norm can only differ where greedy decoding sits on a knife
 edge. Prints one JSON line per run.
 """
 
