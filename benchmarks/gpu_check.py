@@ -1,6 +1,9 @@
 """GPU acceptance check (issue #18): one command that says whether this machine's GPU path works, and how fast.
 
     python benchmarks/gpu_check.py                   # on a CUDA machine: the Qwen2.5-0.5B shape, full sizes
+    python benchmarks/gpu_check.py --preset smollm2-135m-instruct   # the real model (its package installed)
+    python benchmarks/gpu_check.py --model-dir DIR   # any HF folder; one with config and tokenizer but no weights
+                                                     # is initialised at random from its config (timings only)
     python benchmarks/gpu_check.py --device cpu --quick   # the same checks on the CPU, small (the suite runs it)
 
 Needs only torch and transformers (a bare GPU box may have nothing else): the vLLM part runs where vLLM imports
@@ -16,6 +19,9 @@ Checks (each PASS / FAIL / SKIP with its numbers):
 - the updated weights loaded into the engine: the engine's logprobs equal the updated model's;
 - vLLM (where it imports, CUDA only): greedy == ``generate`` and the same weight load;
 - throughput: torch engine vs ``generate`` tokens/s at batch 16/64/256 (the model's dtype: bf16 on CUDA);
+- the learner's compute at a recipe's shape (``--learner-shape``, default 8 rows x 640 tokens, micro-batches of 2):
+  the old-log-prob pass and one PPO update through the calls ``LearnerWorker`` makes (FSDP2, world size 1, bf16
+  mixed precision), seconds, tokens/s and peak GPU memory;
 - embedder texts/s and latency p50/p99 at batch 1 and 32 (1,300-character histories), and the retrieval batch
   path (embed 32 queries + exact top-3 over 50k stored steps) with its recall@1 against brute force.
 
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -65,6 +72,42 @@ def build_model_dir(size: str, artifacts: str) -> Path:
 
     cfg = load_config(overrides=[f"run.artifacts_dir={artifacts}", f"model.size={size}"])
     return ensure_bundled_model(cfg)
+
+
+def random_init_dir(source: Path, artifacts: str) -> Path:
+    """An HF folder with ``source``'s config and tokenizer and seeded random weights: for a folder whose weights
+    cannot travel (a GPU box that only gets the config and tokenizer). Built once under ``artifacts``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rapo_ray.model.factory import load_tokenizer, save_model
+
+    out = Path(artifacts) / f"{source.name}-random-init"
+    if not (out / "config.json").is_file():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(source)), dtype=torch.float32)
+        save_model(model, load_tokenizer(source), out)
+    return out
+
+
+def resolve_model(args) -> tuple[Path, str, str]:
+    """(HF folder, its name in the report, where its weights come from) for ``--preset``, ``--model-dir`` or
+    ``--size``."""
+    from rapo_ray.model.factory import has_weights
+
+    if args.preset:
+        from rapo_ray.model.gguf import ensure_converted, packaged_gguf
+
+        return ensure_converted(packaged_gguf(args.preset), args.artifacts, args.preset), args.preset, "trained"
+    if args.model_dir:
+        source = Path(args.model_dir).expanduser()
+        if not (source / "config.json").is_file() or not (source / "tokenizer.json").is_file():
+            raise SystemExit(f"--model-dir {source}: needs config.json and tokenizer.json (an HF model folder)")
+        if has_weights(source):
+            return source, source.name, "trained"
+        print(f"--model-dir {source} has no weights: initialising them at random from its config (timings only)")
+        return random_init_dir(source, args.artifacts), source.name, "random init from config"
+    size = args.size or ("qwen2.5-0.5b" if args.device_type == "cuda" else "bundled")
+    return build_model_dir(size, args.artifacts), size, "random init"
 
 
 def load(model_dir: Path, device: torch.device, dtype=torch.float32, scale: float = 8.0):
@@ -197,6 +240,85 @@ def check_learner_update(model_dir, tok, device, state: dict) -> dict:
         dist.destroy_process_group()
 
 
+def bench_learner(model_dir, tok, device, rows: int, seq_len: int, micro: int, reps: int) -> dict:
+    """The learner's compute on one step's rows at a recipe's shape: the old-log-prob pass (no gradient) and one PPO
+    update (forward, backward, clip, AdamW) over micro-batches of ``micro`` rows, through the calls
+    ``LearnerWorker.forward_old`` and ``_update`` make: FSDP2 at world size 1, bf16 mixed precision on CUDA (fp32 on
+    CPU), fp32 master weights. Medians over ``reps`` after one warm-up; random token ids (the cost does not depend
+    on them), every response position in the loss."""
+    import torch.distributed as dist
+
+    from rapo_ray.algos.loss import PolicyLossConfig, policy_loss, target_logprobs
+    from rapo_ray.core.net import free_port
+    from rapo_ray.model.factory import load_model
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        model = load_model(model_dir).to(device).train()
+        shard_model(model, mixed_precision_policy(True, device))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        gen = make_generator("cpu", 0)
+        ids = torch.randint(0, len(tok), (rows, seq_len), generator=gen).to(device)
+        attn = torch.ones_like(ids)
+        adv = torch.linspace(-1.0, 1.0, rows, device=device)[:, None].expand(rows, seq_len - 1)
+        mask = torch.ones(rows, seq_len - 1, device=device)
+        chunks = [slice(i, i + micro) for i in range(0, rows, micro)]
+        denominator = float(mask.sum())
+
+        def logprobs(part):
+            logits = model(input_ids=ids[part], attention_mask=attn[part]).logits[:, :-1].float()
+            return target_logprobs(logits, ids[part])
+
+        def old_pass() -> torch.Tensor:
+            with torch.no_grad():
+                return torch.cat([logprobs(c) for c in chunks])
+
+        def update(old: torch.Tensor) -> float:
+            opt.zero_grad(set_to_none=True)
+            for c in chunks:
+                loss, _ = policy_loss(logprobs(c), old[c], adv[c], mask[c], PolicyLossConfig(), denominator=denominator)
+                loss.backward()
+            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            return float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
+
+        def timed(fn, *a):
+            sync(device)
+            t0 = time.perf_counter()
+            out = fn(*a)
+            sync(device)
+            return out, time.perf_counter() - t0
+
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        old = old_pass()
+        update(old)  # warm-up: allocator, kernels, AdamW's state
+        old_s, update_s = [], []
+        for _ in range(reps):
+            old, s = timed(old_pass)
+            old_s.append(s)
+            grad_norm, s = timed(update, old)
+            update_s.append(s)
+        tokens = rows * seq_len
+        out = {
+            "rows": rows,
+            "seq_len": seq_len,
+            "micro_batch": micro,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "old_logprob_s": statistics.median(old_s),
+            "update_s": statistics.median(update_s),
+            "update_tokens_s": tokens / statistics.median(update_s),
+            "grad_norm": grad_norm,
+        }
+        if device.type == "cuda":
+            out["peak_gpu_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        out["ok"] = math.isfinite(grad_norm)
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
 def check_weight_load(model_dir, tok, device, state: dict, n_prompts: int, new_tokens: int) -> dict:
     """The learner's updated weights into the engine (tied lm_head left out, as the sync sends them)."""
     if not state:
@@ -297,9 +419,11 @@ def history_texts(n: int) -> list[str]:
 def bench_embedder(device, batches: list[int], reps: int, stored: int) -> dict:
     import numpy as np
 
-    from rapo_ray.retrieval.embedder import Embedder
-    from rapo_ray.retrieval.replica_index import ReplicaIndex
-
+    try:
+        from rapo_ray.retrieval.embedder import Embedder
+        from rapo_ray.retrieval.replica_index import ReplicaIndex
+    except ImportError as exc:  # a bare GPU box may lack the retrieval layer's packages
+        raise Skip(f"the retrieval layer does not import here: {exc}") from exc
     try:
         emb = Embedder(device=device)
     except RuntimeError as exc:
@@ -361,7 +485,8 @@ def run_check(name: str, fn, report: dict) -> None:
 
 
 def table(report: dict) -> str:
-    lines = [f"GPU check on {report['machine']['device_name']} ({report['machine']['device']}), shape {report['size']}"]
+    m = report["machine"]
+    lines = [f"GPU check on {m['device_name']} ({m['device']}), model {report['size']} ({report['weights']})"]
     for name, r in report["checks"].items():
         lines.append(f"  {r['status']:4}  {name}  ({r['seconds']} s)")
         for k, v in r.items():
@@ -375,10 +500,31 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def parse_learner_shape(spec: str) -> tuple[int, int, int]:
+    """``ROWSxTOKENS/MICRO`` -> (rows, tokens per row, rows per micro-batch); a clear error otherwise."""
+    try:
+        shape, micro = spec.split("/")
+        rows, tokens = (int(x) for x in shape.split("x"))
+        micro = int(micro)
+    except ValueError:
+        raise SystemExit(f"--learner-shape {spec!r}: expected ROWSxTOKENS/MICRO, e.g. 8x640/2") from None
+    if min(rows, tokens, micro) < 1 or tokens < 2:
+        raise SystemExit(f"--learner-shape {spec!r}: rows and micro must be >= 1 and tokens >= 2")
+    return rows, tokens, micro
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="auto", help="auto (CUDA where visible, else CPU), cuda, cuda:N, cpu")
     ap.add_argument("--size", default="", help="model.size to build; default: qwen2.5-0.5b on CUDA, bundled on CPU")
+    ap.add_argument("--preset", default="", help="a packaged model (model.preset), converted once, instead of --size")
+    ap.add_argument("--model-dir", default="", help="an HF model folder instead of --size (no weights: random init)")
+    ap.add_argument(
+        "--learner-shape",
+        default="",
+        help="ROWSxTOKENS/MICRO[,...] for the learner's compute check: rows, tokens per row, rows per micro-batch; "
+        "default 8x640/2 (a real model's step on this project's CPU recipe), 4x64/2 with --quick",
+    )
     ap.add_argument("--quick", action="store_true", help="small batches and few tokens (the CPU smoke run)")
     ap.add_argument("--artifacts", default="/tmp/rapo_gpu_check", help="where the model is built")
     ap.add_argument("--out", default="benchmarks/results/gpu_check.json", help="JSON report")
@@ -386,15 +532,18 @@ def main(argv=None) -> int:
     device = parse_device(args.device)
     if device.type != "cuda":
         print("no CUDA device in use: running the checks on the CPU (the GPU path itself is not exercised)")
-    size = args.size or ("qwen2.5-0.5b" if device.type == "cuda" else "bundled")
+    args.device_type = device.type
     quick = args.quick
+    learner_shapes = [
+        parse_learner_shape(x) for x in (args.learner_shape or ("4x64/2" if quick else "8x640/2")).split(",")
+    ]
     n_prompts, new_tokens = (3, 8) if quick else (8, 32)
     batches = [2, 4] if quick else [16, 64, 256]
     bench_tokens = 8 if quick else 128
 
     from rapo_ray.model.factory import load_tokenizer
 
-    model_dir = build_model_dir(size, args.artifacts)
+    model_dir, size, weights = resolve_model(args)
     tok = load_tokenizer(model_dir)
     report = {
         "machine": {
@@ -407,6 +556,7 @@ def main(argv=None) -> int:
             "python": platform.python_version(),
         },
         "size": size,
+        "weights": weights,
         "quick": quick,
         "checks": {},
     }
@@ -432,6 +582,12 @@ def main(argv=None) -> int:
         lambda: bench_engine(model_dir, tok, device, batches, bench_tokens),
         report,
     )
+    for rows, seq_len, micro in learner_shapes:
+        run_check(
+            f"learner: compute at {rows}x{seq_len}/{micro}",
+            lambda: bench_learner(model_dir, tok, device, rows, seq_len, micro, 2 if quick else 3),
+            report,
+        )
     run_check(
         "embedder and retrieval batch path",
         lambda: bench_embedder(

@@ -32,6 +32,8 @@ def main() -> int:
     ap.add_argument("--checkpoint", default="base", help="base | cold-start | an HF model folder")
     ap.add_argument("--questions", type=int, default=24)
     ap.add_argument("--samples", type=int, default=4, help="sampled rollouts per question (T=1)")
+    ap.add_argument("--device", default="cpu", help="where the torch engine runs: cpu, cuda, cuda:N")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the torch engine's dtype")
     ap.add_argument("--override", action="append", default=[], help="config overrides (key=value), repeatable")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "real_model_tool_use.json"))
     args = ap.parse_args()
@@ -53,7 +55,14 @@ def main() -> int:
     examples, _ = load_examples(cfg.tasks.eval_files[0], limit=args.questions)
     tasks = [to_task(e) for e in examples]
     tok = load_tokenizer(model_dir)
-    engine = make_engine(cfg.rollout, model_dir, load_model_and_tokenizer, max_model_len=context_length(model_dir))
+    engine = make_engine(
+        cfg.rollout,
+        model_dir,
+        load_model_and_tokenizer,
+        max_model_len=context_length(model_dir),
+        dtype=args.dtype,
+        device=args.device,
+    )
     tools = build_tools(cfg.tasks, cfg.rollout, search_index=None)
     base = LoopSettings.from_config(cfg, evaluation=True)
     # a step may use the whole response budget: prose that does not close a tag is measured, not cut at a step
@@ -83,12 +92,16 @@ def main() -> int:
         tools.close()
         engine.close()
     key = args.checkpoint if args.checkpoint in ("base", "cold-start") else str(model_dir)
+    if (args.device, args.dtype) != ("cpu", "float32"):  # one entry per device and dtype, none overwriting another
+        key = f"{key}@{args.device}/{args.dtype}"
     record = {
         "model_dir": str(model_dir),
         "eval_file": cfg.tasks.eval_files[0],
         "questions": len(tasks),
         "samples": args.samples,
         "engine": engine.name,
+        "device": args.device,
+        "dtype": args.dtype,
         "results": rows,
         "seconds": round(time.perf_counter() - t_start, 1),
         "machine": machine_record(),

@@ -6,7 +6,10 @@ Each message names the input (a key, a path, a file and row) and what is wrong w
 
 from __future__ import annotations
 
-import ray
+try:  # Ray is not needed to load a model, generate or run the learner's compute (a bare GPU box has none)
+    import ray.exceptions as ray_exceptions
+except ImportError:
+    ray_exceptions = None
 
 
 class ConfigError(ValueError):
@@ -49,9 +52,14 @@ class LearnerLost(RuntimeError):
 # What a call to a dead (killed, crashed, node lost) Ray actor raises. An actor that Ray's memory monitor killed
 # fails its pending calls with OutOfMemoryError, which is no RayActorError: without it here, a rollout worker killed
 # for memory during a weight push surfaced as the learners' "connection closed" error and ended the run.
+# Without Ray no actor can die, and the tuple is empty (``except ()`` catches nothing).
 WORKER_DIED = (
-    ray.exceptions.RayActorError,
-    ray.exceptions.ActorDiedError,
-    ray.exceptions.WorkerCrashedError,
-    ray.exceptions.OutOfMemoryError,
+    (
+        ray_exceptions.RayActorError,
+        ray_exceptions.ActorDiedError,
+        ray_exceptions.WorkerCrashedError,
+        ray_exceptions.OutOfMemoryError,
+    )
+    if ray_exceptions is not None
+    else ()
 )

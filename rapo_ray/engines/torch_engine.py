@@ -275,8 +275,10 @@ class TorchEngine(InferenceEngine):
         """``device``: where the model runs (None: where it already is). Every tensor a step creates, and the
         sampling generators, live there too."""
         super().__init__()
-        self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        self.model = model.to(self.device).eval()
+        self.model = (model.to(device) if device is not None else model).eval()
+        # the parameters' device, which names its index ("cuda" becomes "cuda:0"): the generators and every tensor a
+        # step creates are compared with the logits' device, and torch.device("cuda") != torch.device("cuda:0")
+        self.device = next(self.model.parameters()).device
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.prefill_token_budget = prefill_token_budget

@@ -109,6 +109,12 @@ def load_model_and_tokenizer(path: str | Path, dtype: str = "float32"):
     return load_model(path, dtype), load_tokenizer(path)
 
 
+def has_weights(path: str | Path) -> bool:
+    """Whether an HF folder holds weights (``*.safetensors`` or ``*.bin``), not only its config and tokenizer."""
+    p = Path(path)
+    return any(p.glob("*.safetensors")) or any(p.glob("*.bin"))
+
+
 def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu"):
     """Load an HF causal LM folder; clear errors for a missing or corrupt folder."""
     from transformers import AutoModelForCausalLM
@@ -118,7 +124,7 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu"):
         raise ModelLoadError(f"model folder {p} does not exist")
     if not (p / "config.json").is_file():
         raise ModelLoadError(f"model folder {p} has no config.json")
-    if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
+    if not has_weights(p):
         raise ModelLoadError(f"model folder {p} has no weights (*.safetensors or *.bin)")
     if dtype not in _DTYPES:
         raise ModelLoadError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")

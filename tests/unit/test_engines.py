@@ -179,6 +179,26 @@ def test_torch_engine_creates_every_tensor_on_the_model_device(tiny_model_dir, t
         assert got[:2] == expected and all(len(t) == 5 for t in got[2])
 
 
+def test_torch_engine_device_is_the_parameters_device(tiny_model_dir, tiny_tokenizer, prompts):
+    """A device named without its index (``cuda``) is kept as the parameters' own (``cuda:0``): sampling compares
+    the generator's device with the logits', and ``torch.device("cuda") != torch.device("cuda:0")`` failed every
+    sampled rollout on an H200. ``cpu:0`` is the CPU's spelling of the same case."""
+    engine = TorchEngine(load_model(tiny_model_dir), tiny_tokenizer, device="cpu:0")
+    assert engine.device == next(engine.model.parameters()).device == torch.device("cpu")
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=4, ignore_eos=True, seed=2)
+    assert all(len(r.token_ids) == 4 for r in engine.generate(prompts, sp))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_torch_engine_samples_on_cuda(tiny_model_dir, tiny_tokenizer, prompts):
+    engine = TorchEngine(load_model(tiny_model_dir), tiny_tokenizer, device="cuda")
+    assert engine.device == torch.device("cuda", torch.cuda.current_device())
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=4, ignore_eos=True, seed=2)
+    a = [r.token_ids for r in engine.generate(prompts, sp)]
+    assert a == [r.token_ids for r in engine.generate(prompts, sp)] and all(len(t) == 4 for t in a)
+
+
 def test_simulated_engine_models_a_batched_decode(tiny_tokenizer, monkeypatch):
     from rapo_ray.engines import simulated
     from rapo_ray.engines.simulated import SimulatedEngine
