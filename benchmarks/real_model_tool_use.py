@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/real_model_tool_use.py --config configs/smollm2_gsm8k.yaml --checkpoint base
     .venv/bin/python benchmarks/real_model_tool_use.py --config configs/smollm2_gsm8k.yaml --checkpoint cold-start
+    python benchmarks/real_model_tool_use.py --checkpoint DIR --device cuda [--dtype bfloat16]   # the torch engine on a GPU
 
 On the first ``--questions`` problems of the config's first eval file, through the real agent loop, engine and
 sandbox (no Ray): greedy pass@1 and sampled (T=1, ``--samples`` per question) pass@1, each with the tool (the
@@ -9,8 +10,10 @@ config's system prompt, up to ``rollout.max_tool_calls`` calls) and without it (
 answer, no tool calls allowed). A step may run to ``rollout.max_response_tokens`` (not ``max_step_tokens``), so
 prose answers are measured whole. Also: how many rollouts wrote a boxed answer, how many tool calls they made, and how
 many of those ran cleanly (not malformed, no error from the sandbox). ``--checkpoint``: base (the converted
-model), cold-start (``cold_start.*`` of the config, built if needed) or an HF folder. Results are merged into
-benchmarks/results/real_model_tool_use.json under the checkpoint's label.
+model), cold-start (``cold_start.*`` of the config, built if needed) or an HF folder. ``--device``/``--dtype`` place
+the torch engine (the config's engine otherwise runs on the CPU, vLLM where it imports; on a GPU box without vLLM the
+torch engine is what runs). Results are merged into benchmarks/results/real_model_tool_use.json under the checkpoint's
+label, suffixed ``@device/dtype`` off the CPU's float32.
 """
 
 from __future__ import annotations
