@@ -13,6 +13,12 @@ lengths sampled in [32, 256] as ``rollout.engine=simulated`` does, a 128-token p
 - per step, one group per engine: ``wall_s``; ``driver_cpu_s``, the driver process's CPU seconds in the step (its
   scheduling, dispatch, collection and deserialization: the control plane's cost); ``dispatch_s``, until every group
   was handed out; ``overhead_s`` = wall - decode_s;
+- ``collection``: the driver CPU (and wall) to collect one round of rollout calls, one per engine with the real
+  payload, by each way the fleet has collected them, on the same engines, twice in turn: ``wait_each`` (``ray.wait``
+  for one ref over every call in flight, then ``ray.get``), ``callbacks_get`` (completions queued by a callback, one
+  ``ray.get`` each), ``callbacks_future`` (queued with their futures, whose ``result()`` is the value: ``run_step``
+  now); and pinging every engine with one ``ray.get`` per ref (``ping_get_each``) or one for all (``ping_get_all``:
+  ``replace_dead`` now);
 - ``kill``: a step in which the engines of 10% of the hosts die as soon as every group is out: groups re-queued,
   engines replaced, every group exactly once, the step's wall and driver CPU;
 - ``sync``: the weight-sync group over the engines + 1 stub learner: forming it (``join_s``), a push of a
@@ -42,6 +48,7 @@ import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
+from queue import SimpleQueue  # noqa: E402
 
 import ray  # noqa: E402
 import torch  # noqa: E402
@@ -229,6 +236,44 @@ def timed_step(fleet: RolloutFleet, groups: list[tuple], group_size: int, seed: 
     }
 
 
+def collection_patterns(fleet: RolloutFleet, groups: list[tuple], group_size: int, reps: int = 2) -> dict:
+    """Driver CPU and wall seconds per way of collecting one round of calls (see the module's docstring)."""
+    handles = fleet.handles()
+
+    def dispatch() -> list:
+        return [h.rollout.remote([g], group_size, i, False) for i, (h, g) in enumerate(zip(handles, groups))]
+
+    def wait_each(refs: list) -> None:
+        pending = refs
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            ray.get(ready)
+
+    def callbacks(refs: list, use_future: bool) -> None:
+        finished: SimpleQueue = SimpleQueue()
+        for ref in refs:
+            ref.future().add_done_callback(lambda fut, ref=ref: finished.put((ref, fut)))
+        for _ in refs:
+            ref, fut = finished.get()
+            fut.result() if use_future else ray.get(ref)
+
+    patterns = {
+        "wait_each": lambda: wait_each(dispatch()),
+        "callbacks_get": lambda: callbacks(dispatch(), use_future=False),
+        "callbacks_future": lambda: callbacks(dispatch(), use_future=True),
+        "ping_get_each": lambda: [ray.get(r) for r in [h.ready.remote() for h in handles]],
+        "ping_get_all": lambda: ray.get([h.ready.remote() for h in handles]),
+    }
+    out: dict = {name: {"driver_cpu_s": [], "wall_s": []} for name in patterns}
+    for _ in range(reps):
+        for name, run in patterns.items():
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            run()
+            out[name]["wall_s"].append(time.perf_counter() - t0)
+            out[name]["driver_cpu_s"].append(time.process_time() - cpu0)
+    return out
+
+
 def rss_mb() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -269,6 +314,8 @@ def fleet_size(args, n: int, resources: dict | None = None) -> dict:
             out[f"median_{key}"] = statistics.median(s[key] for s in steps)
         out["median_overhead_s"] = out["median_wall_s"] - args.decode_s
         print(n, "engines: steps", json.dumps({k: round(v, 3) for k, v in out.items() if "median" in k}), flush=True)
+        out["collection"] = collection_patterns(fleet, groups, args.group_size)
+        print(n, "engines: collection", json.dumps(out["collection"]), flush=True)
         victims = spawner.hosts[: max(1, round(len(spawner.hosts) * 0.1))]
         kill = timed_step(
             fleet, groups, args.group_size, seed=args.steps + 1, on_all_out=lambda: [ray.kill(h) for h in victims]

@@ -263,12 +263,13 @@ class RolloutFleet:
         ``replaced_workers``.
 
         The driver's cost is O(1) per finished chunk, whatever the fleet's size: each call's completion is queued
-        by a callback (no ``ray.wait`` over every call in flight), idle workers wait in a deque, and the workers
-        that died in one round are replaced together (one start, not one per worker)."""
+        by a callback (no ``ray.wait`` over every call in flight) together with its future, whose ``result()`` is the
+        value already fetched (no ``ray.get`` per call), idle workers wait in a deque, and the workers that died in
+        one round are replaced together (one start, not one per worker)."""
         queue = deque(groups)
         done: dict[str, TrajectoryBatch] = {}
         inflight: dict[ray.ObjectRef, tuple[int, list[tuple]]] = {}
-        finished: SimpleQueue = SimpleQueue()  # refs whose call returned or failed, in completion order
+        finished: SimpleQueue = SimpleQueue()  # (ref, future) of calls that returned or failed, in completion order
         idle = deque(sorted(self.workers))
         worker_stats: list[dict] = []
         lost = {"requeued_groups": 0, "replaced_workers": 0}
@@ -282,19 +283,19 @@ class RolloutFleet:
                 gseed = (seed * 1_000_003 + sum(zlib.crc32(str(g).encode()) for g, _ in take)) % (2**31)
                 ref = self.workers[wid].rollout.remote(take, group_size, gseed, evaluation)
                 inflight[ref] = (wid, take)
-                ref.future().add_done_callback(lambda _, ref=ref: finished.put(ref))
+                ref.future().add_done_callback(lambda fut, ref=ref: finished.put((ref, fut)))
                 if on_dispatch:
                     on_dispatch(wid, take)
             if not inflight:
                 raise RuntimeError(f"rollout: {len(queue)} groups queued and no rollout worker to run them")
-            refs = [finished.get()]
+            calls = [finished.get()]
             while not finished.empty():
-                refs.append(finished.get())
+                calls.append(finished.get())
             died = []
-            for ref in refs:
+            for ref, fut in calls:
                 wid, take = inflight.pop(ref)
                 try:
-                    res = ray.get(ref)
+                    res = fut.result()  # the call's value, or the error a dead worker's call raises
                 except WORKER_DIED as exc:
                     queue.extendleft(reversed(take))
                     lost["requeued_groups"] += len(take)

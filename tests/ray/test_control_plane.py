@@ -24,3 +24,8 @@ def test_packed_fleet_steps_kill_and_sync(ray_session):
     sync = out["sync"]  # 6 engines + the stub learner; pushes 1 and 2, then 3 to the fleet with its replacements
     assert sync["members"] == 7 and sync["replaced_at_push"] == 0
     assert out["ping_all_s"] > 0 and out["driver_rss_mb"] > 0
+    patterns = ("wait_each", "callbacks_get", "callbacks_future", "ping_get_each", "ping_get_all")
+    assert set(out["collection"]) == set(patterns)
+    for name in patterns:  # two turns each, every call collected (a lost one would hang, a failed one raise)
+        assert len(out["collection"][name]["wall_s"]) == 2 and min(out["collection"][name]["driver_cpu_s"]) > 0
+    assert min(out["collection"]["callbacks_future"]["wall_s"]) >= args.decode_s  # it waited for the rollouts
