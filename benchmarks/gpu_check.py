@@ -31,6 +31,7 @@ Writes a JSON report (``--out``) and prints a table; exits 1 if any check failed
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -89,9 +90,9 @@ def random_init_dir(source: Path, artifacts: str) -> Path:
     return out
 
 
-def resolve_model(args) -> tuple[Path, str, str]:
+def resolve_model(args, device_type: str) -> tuple[Path, str, str]:
     """(HF folder, its name in the report, where its weights come from) for ``--preset``, ``--model-dir`` or
-    ``--size``."""
+    ``--size`` (default: the 0.5B shape on CUDA, the bundled model elsewhere)."""
     from rapo_ray.model.factory import has_weights
 
     if args.preset:
@@ -106,7 +107,7 @@ def resolve_model(args) -> tuple[Path, str, str]:
             return source, source.name, "trained"
         print(f"--model-dir {source} has no weights: initialising them at random from its config (timings only)")
         return random_init_dir(source, args.artifacts), source.name, "random init from config"
-    size = args.size or ("qwen2.5-0.5b" if args.device_type == "cuda" else "bundled")
+    size = args.size or ("qwen2.5-0.5b" if device_type == "cuda" else "bundled")
     return build_model_dir(size, args.artifacts), size, "random init"
 
 
@@ -184,22 +185,32 @@ def check_engine(model_dir, tok, device, n_prompts: int, new_tokens: int) -> dic
     return out
 
 
-def check_learner_update(model_dir, tok, device, state: dict) -> dict:
-    """One RAPO/GRPO policy-loss update on FSDP2 (world size 1) in bf16 mixed precision at lr 1e-6."""
+@contextlib.contextmanager
+def one_rank_learner(model_dir, device):
+    """(model, AdamW at lr 1e-6) as a learner rank holds them: a process group of one (NCCL on CUDA, gloo on CPU),
+    fp32 master weights sharded by FSDP2 with bf16 mixed precision on CUDA. The group is destroyed on exit."""
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from rapo_ray.algos.loss import PolicyLossConfig, policy_loss
     from rapo_ray.core.net import free_port
     from rapo_ray.model.factory import load_model
 
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        policy = mixed_precision_policy(True, device)
         model = load_model(model_dir).to(device).train()  # fp32 master weights
-        shard_model(model, policy)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        shard_model(model, mixed_precision_policy(True, device))
+        yield model, torch.optim.AdamW(model.parameters(), lr=1e-6)
+    finally:
+        dist.destroy_process_group()
+
+
+def check_learner_update(model_dir, tok, device, state: dict) -> dict:
+    """One RAPO/GRPO policy-loss update on FSDP2 (world size 1) in bf16 mixed precision at lr 1e-6."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from rapo_ray.algos.loss import PolicyLossConfig, policy_loss
+
+    with one_rank_learner(model_dir, device) as (model, opt):
         before = {k: v.detach().clone() for k, v in model.state_dict().items()}
         gen = make_generator("cpu", 0)
         ids = torch.randint(0, len(tok), (4, 64), generator=gen, device="cpu").to(device)
@@ -219,7 +230,7 @@ def check_learner_update(model_dir, tok, device, state: dict) -> dict:
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         state.update({k: v.detach().clone() for k, v in full.items()})
         out = {
-            "backend": backend,
+            "backend": torch.distributed.get_backend(),
             "compute_dtype": str(logits.dtype),
             "master_dtype": ",".join(sorted(master)),
             "adam_state_dtype": ",".join(sorted(adam)),
@@ -236,8 +247,6 @@ def check_learner_update(model_dir, tok, device, state: dict) -> dict:
             and changed > 0
         )
         return out
-    finally:
-        dist.destroy_process_group()
 
 
 def bench_learner(model_dir, tok, device, rows: int, seq_len: int, micro: int, reps: int) -> dict:
@@ -246,18 +255,9 @@ def bench_learner(model_dir, tok, device, rows: int, seq_len: int, micro: int, r
     ``LearnerWorker.forward_old`` and ``_update`` make: FSDP2 at world size 1, bf16 mixed precision on CUDA (fp32 on
     CPU), fp32 master weights. Medians over ``reps`` after one warm-up; random token ids (the cost does not depend
     on them), every response position in the loss."""
-    import torch.distributed as dist
-
     from rapo_ray.algos.loss import PolicyLossConfig, policy_loss, target_logprobs
-    from rapo_ray.core.net import free_port
-    from rapo_ray.model.factory import load_model
 
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        model = load_model(model_dir).to(device).train()
-        shard_model(model, mixed_precision_policy(True, device))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    with one_rank_learner(model_dir, device) as (model, opt):
         gen = make_generator("cpu", 0)
         ids = torch.randint(0, len(tok), (rows, seq_len), generator=gen).to(device)
         attn = torch.ones_like(ids)
@@ -315,8 +315,6 @@ def bench_learner(model_dir, tok, device, rows: int, seq_len: int, micro: int, r
             out["peak_gpu_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
         out["ok"] = math.isfinite(grad_norm)
         return out
-    finally:
-        dist.destroy_process_group()
 
 
 def check_weight_load(model_dir, tok, device, state: dict, n_prompts: int, new_tokens: int) -> dict:
@@ -532,7 +530,6 @@ def main(argv=None) -> int:
     device = parse_device(args.device)
     if device.type != "cuda":
         print("no CUDA device in use: running the checks on the CPU (the GPU path itself is not exercised)")
-    args.device_type = device.type
     quick = args.quick
     learner_shapes = [
         parse_learner_shape(x) for x in (args.learner_shape or ("4x64/2" if quick else "8x640/2")).split(",")
@@ -543,7 +540,7 @@ def main(argv=None) -> int:
 
     from rapo_ray.model.factory import load_tokenizer
 
-    model_dir, size, weights = resolve_model(args)
+    model_dir, size, weights = resolve_model(args, device.type)
     tok = load_tokenizer(model_dir)
     report = {
         "machine": {

@@ -28,16 +28,16 @@ def test_a_folder_without_weights_gets_seeded_random_ones_once(tiny_model_dir, t
             (source / f.name).write_bytes(f.read_bytes())
     assert not has_weights(source)
     args = argparse.Namespace(preset="", model_dir=str(source), artifacts=str(tmp_path / "art"), size="")
-    path, name, weights = gc.resolve_model(args)
+    path, name, weights = gc.resolve_model(args, "cpu")
     assert (name, weights) == ("config-only", "random init from config") and has_weights(path)
     first = load_model(path).state_dict()
-    assert gc.resolve_model(args)[0] == path  # built once, then reused
+    assert gc.resolve_model(args, "cpu")[0] == path  # built once, then reused
     rebuilt = load_model(gc.random_init_dir(source, tmp_path / "art2")).state_dict()
     assert all((first[k] == rebuilt[k]).all() for k in first)  # seeded: the same weights wherever built
     assert load_model(tiny_model_dir).config.hidden_size == load_model(path).config.hidden_size
 
     args.model_dir = str(tiny_model_dir)
-    assert gc.resolve_model(args) == (tiny_model_dir, tiny_model_dir.name, "trained")
+    assert gc.resolve_model(args, "cpu") == (tiny_model_dir, tiny_model_dir.name, "trained")
     args.model_dir = str(tmp_path / "missing")
     with pytest.raises(SystemExit, match="needs config.json and tokenizer.json"):
-        gc.resolve_model(args)
+        gc.resolve_model(args, "cpu")
