@@ -30,6 +30,7 @@ import yaml
 from rapo_ray.agent.evaluation import paired_change
 from rapo_ray.agent.turns import answer_handed
 from rapo_ray.config import load_config
+from rapo_ray.config.load import diff_configs, flat_config, from_dict, to_dict
 from rapo_ray.core.devices import machine_record
 from rapo_ray.envs import tasks as bundled
 from rapo_ray.model.factory import load_tokenizer, resolve_model_dir
@@ -53,7 +54,8 @@ METHODS = {
     "rapo handed-unpaid": ["algo.name=rapo", "algo.rapo.reward_retrieved_answers=false"],
     # the buffer's source (data-file tasks only): human GSM8K calculator steps instead of the policy's own samples
     "rapo solutions-buffer": ["algo.name=rapo", "retrieval.buffer_source=solutions"],
-    # the step-retrieval backend (retrieval.embedder): cheaper ways to match histories than MiniLM fp32
+    # the step-retrieval backend (retrieval.embedder): "rapo" runs the default (bm25), these name theirs
+    "rapo minilm": ["algo.name=rapo", "retrieval.embedder=minilm"],
     "rapo onnx-int8": ["algo.name=rapo", "retrieval.embedder=minilm-onnx-int8"],
     "rapo bm25": ["algo.name=rapo", "retrieval.embedder=bm25"],
     # bounded staleness (algo.max_staleness=1): the next step rolls out during the update, with the decoupled loss
@@ -80,40 +82,63 @@ STEP_KEYS = (
 
 def train_once(name: str, overrides: list[str], seed: int, args, out: Path) -> Path | None:
     """``jobs/train.py`` as run ``name`` under ``out/runs`` with the comparison's budget (``args``: config, steps,
-    prompts, eval_size, artifacts, overrides) and ``overrides``; a finished run (summary.json) is reused, an
+    prompts, eval_size, artifacts, overrides) and ``overrides``; a finished run (summary.json) is reused when its
+    saved config is the one this call asks for (a run from before a default changed is refused, not mixed in), an
     interrupted one started again. Returns the run folder, None when the job failed (its log is named)."""
     run_dir = out / "runs" / name
-    if not (run_dir / "summary.json").is_file():
-        cmd = [
-            sys.executable,
-            str(REPO / "jobs" / "train.py"),
-            *(["--config", args.config] if args.config else []),
-            *overrides,
-            f"trainer.seed={seed}",
-            *([f"trainer.total_steps={args.steps}"] if args.steps else []),
-            *([f"trainer.prompts_per_step={args.prompts}"] if args.prompts else []),
-            "trainer.eval_every=0",
-            *([f"trainer.eval_size={args.eval_size}"] if args.eval_size else []),
-            "checkpoint.every=0",
-            f"run.output_dir={out / 'runs'}",
-            f"run.name={name}",
-            f"run.artifacts_dir={args.artifacts}",
-            "run.progress=false",
-            "run.tensorboard=false",
-            *args.overrides,
-        ]
-        if run_dir.exists():  # an interrupted run: start it again from scratch
-            shutil.rmtree(run_dir)
-        t0 = time.perf_counter()
-        log = out / "logs" / f"{name}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "w") as f:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO).returncode
-        if rc != 0:
-            print(f"{name}: FAILED (exit {rc}); see {log}", flush=True)
-            return None
-        print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
+    run_overrides = [
+        *overrides,
+        f"trainer.seed={seed}",
+        *([f"trainer.total_steps={args.steps}"] if args.steps else []),
+        *([f"trainer.prompts_per_step={args.prompts}"] if args.prompts else []),
+        "trainer.eval_every=0",
+        *([f"trainer.eval_size={args.eval_size}"] if args.eval_size else []),
+        "checkpoint.every=0",
+        f"run.output_dir={out / 'runs'}",
+        f"run.name={name}",
+        f"run.artifacts_dir={args.artifacts}",
+        "run.progress=false",
+        "run.tensorboard=false",
+        *args.overrides,
+    ]
+    if (run_dir / "summary.json").is_file():
+        stale = config_change(run_dir, args.config, run_overrides)
+        if stale:
+            sys.exit(f"{run_dir} is a finished run of another config ({stale}); remove it or give --out another folder")
+        return run_dir
+    cmd = [sys.executable, str(REPO / "jobs" / "train.py"), *(["--config", args.config] if args.config else [])]
+    if run_dir.exists():  # an interrupted run: start it again from scratch
+        shutil.rmtree(run_dir)
+    t0 = time.perf_counter()
+    log = out / "logs" / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:
+        rc = subprocess.run([*cmd, *run_overrides], stdout=f, stderr=subprocess.STDOUT, cwd=REPO).returncode
+    if rc != 0:
+        print(f"{name}: FAILED (exit {rc}); see {log}", flush=True)
+        return None
+    print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
     return run_dir
+
+
+def config_change(run_dir: Path, config: str | None, overrides: list[str]) -> str:
+    """How the config saved in finished run ``run_dir`` differs from the one ``config`` + ``overrides`` gives today
+    ("key: saved -> now", ...), ignoring where runs go and checkpointing; empty when they agree."""
+    want = load_config(config, overrides)
+    try:
+        saved = from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    except (OSError, ValueError, yaml.YAMLError) as exc:  # (ConfigError is a ValueError) a run from an older schema
+        return f"its config.yaml does not load today: {exc}"
+    was, now = flat_config(to_dict(saved)), flat_config(to_dict(want))
+    keys = diff_configs(saved, want, ignore=("run.", "checkpoint."))
+    return ", ".join(f"{k}: {was[k]!r} -> {now.get(k)!r}" for k in keys)
+
+
+def run_order(methods: list[str], turn: int) -> list[str]:
+    """The arms in the order seed number ``turn`` (0, 1, ...) runs them: rotated by one per seed, so that no arm
+    always runs first or last (on a shared box the stages of later runs in a round were measured slower)."""
+    k = turn % len(methods)
+    return methods[k:] + methods[:k]
 
 
 def run_one(method: str, seed: int, args, out: Path) -> dict | None:
@@ -280,6 +305,14 @@ def paired_vs(results: list[dict], method: str, baseline: str, family: str) -> d
     return {"seeds": seeds, **change}
 
 
+def baselines(results: list[dict]) -> list[tuple[str, str]]:
+    """The (method, baseline) pairs the held-out test compares: every method against GRPO, and each RAPO variant
+    (``rapo <variant>``: an ablation, a backend, a schedule) against RAPO itself, where both ran."""
+    ran = {r["method"] for r in results}
+    pairs = [(m, "grpo") for m in METHODS if m in ran and m != "grpo" and "grpo" in ran]
+    return pairs + [(m, "rapo") for m in METHODS if m in ran and m.startswith("rapo ") and "rapo" in ran]
+
+
 def _ms(xs) -> str:
     return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
 
@@ -303,29 +336,32 @@ def tables(results: list[dict]) -> str:
     if any(r.get("after_problems") for r in results):
         lines += [
             "",
-            "| method vs grpo | family | problems x seeds | method only | grpo only | gain | sign test p |",
-            "|---|---|---|---|---|---|---|",
+            "| method | vs | family | problems x seeds | method only | baseline only | gain | sign test p |",
+            "|---|---|---|---|---|---|---|---|",
         ]
-        for method in METHODS:
+        for method, baseline in baselines(results):
             for fam in fams:
-                pv = paired_vs(results, method, "grpo", fam) if method != "grpo" else None
+                pv = paired_vs(results, method, baseline, fam)
                 if pv:
                     lines.append(
-                        f"| {method} | {fam} | {pv['n']} | {pv['fixed']} | {pv['broken']} | {pv['gain']:+.3f} | {pv['p_value']:.3f} |"
+                        f"| {method} | {baseline} | {fam} | {pv['n']} | {pv['fixed']} | {pv['broken']} | "
+                        f"{pv['gain']:+.3f} | {pv['p_value']:.3f} |"
                     )
     lines += [
         "",
-        "| method | step s | rollout s | retrieval s | old-logprob s | update s | sync s | rollout tokens | tool calls | "
-        "retrievals | learner tokens/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | step s | vs grpo | rollout s | retrieval s | old-logprob s | update s | sync s | rollout tokens | "
+        "tool calls | retrievals | learner tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    grpo_step = [r["per_step"].get("step_s", 0.0) for r in results if r["method"] == "grpo"]
     for method in METHODS:
         rs = [r for r in results if r["method"] == method]
         if rs:
             cell = [statistics.mean(r["per_step"].get(k, 0.0) for r in rs) for k in STEP_KEYS]
+            ratio = f"{cell[0] / statistics.mean(grpo_step):.2f}x" if grpo_step and min(grpo_step) > 0 else "-"
             lines.append(
-                f"| {method} | "
-                + " | ".join(f"{c:.2f}" for c in cell[:6])
+                f"| {method} | {cell[0]:.2f} | {ratio} | "
+                + " | ".join(f"{c:.2f}" for c in cell[1:6])
                 + " | "
                 + " | ".join(f"{c:.0f}" for c in cell[6:])
                 + " |"
@@ -442,8 +478,8 @@ def main() -> int:
     if unknown:
         raise SystemExit(f"--methods: unknown {unknown}; valid: {list(METHODS)}")
     results, failed = [], []
-    for seed in [int(s) for s in args.seeds.split(",")]:
-        for method in methods:
+    for turn, seed in enumerate(int(s) for s in args.seeds.split(",")):
+        for method in run_order(methods, turn):
             r = run_one(method, seed, args, out)
             (results.append(r) if r is not None else failed.append(f"{method} seed {seed}"))
     report = {

@@ -1,7 +1,7 @@
 """The control plane at 100 / 300 / 1,000 rollout engines, simulated (issue #40).
 
     python benchmarks/control_plane.py [--engines 100,300,1000] [--hosts 20] [--nodes 4] [--steps 3]
-        [--decode-s 2] [--out benchmarks/results/control_plane.json]
+        [--decode-s 2] [--profile 25] [--out benchmarks/results/control_plane.json]
     python benchmarks/control_plane.py --parts join    # gloo group formation alone: eager mesh vs lazy
 
 Part ``fleet``: stub engines packed many to a process (``EngineHost``, a threaded actor: one thread per engine, so
@@ -11,7 +11,8 @@ driven by the real ``RolloutFleet``, ``WeightSync`` and ``push_weights``. An eng
 lengths sampled in [32, 256] as ``rollout.engine=simulated`` does, a 128-token prompt). Per fleet size:
 - ``start_s``: spawning the hosts and ready-pinging every engine;
 - per step, one group per engine: ``wall_s``; ``driver_cpu_s``, the driver process's CPU seconds in the step (its
-  scheduling, dispatch, collection and deserialization: the control plane's cost); ``dispatch_s``, until every group
+  scheduling, dispatch, collection and deserialization: the control plane's cost), and of them
+  ``driver_main_thread_cpu_s``, the thread that runs ``run_step`` (the rest is Ray's own threads); ``dispatch_s``, until every group
   was handed out; ``overhead_s`` = wall - decode_s;
 - ``collection``: the driver CPU (and wall) to collect one round of rollout calls, one per engine with the real
   payload, by each way the fleet has collected them, on the same engines, twice in turn: ``wait_each`` (``ray.wait``
@@ -24,7 +25,8 @@ lengths sampled in [32, 256] as ``rollout.engine=simulated`` does, a 128-token p
 - ``sync``: the weight-sync group over the engines + 1 stub learner: forming it (``join_s``), a push of a
   ``--model-kb`` model, first (connections made) and second; after the kill step, ``push_weights`` (ping, re-form,
   push) and the ping of every engine alone (``ping_all_s``);
-- ``driver_rss_mb``.
+- ``driver_rss_mb``;
+- with ``--profile TOP``: one more step under cProfile, its main thread's TOP functions by own and cumulative time.
 Part ``join`` (no Ray): gloo group formation, members as threads of this process with a store connection and device
 each, eager full mesh (what the sync group did) against lazy connections (what it does), at 8 / 32 / 128 members,
 each bounded by ``--join-timeout``.
@@ -39,9 +41,11 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 import argparse  # noqa: E402
+import cProfile  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
+import pstats  # noqa: E402
 import random  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -218,9 +222,9 @@ def timed_step(fleet: RolloutFleet, groups: list[tuple], group_size: int, seed: 
         if len(dispatched) == first_round and on_all_out:
             on_all_out()
 
-    cpu0, t0 = time.process_time(), time.perf_counter()
+    cpu0, main0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
     batch, stats = fleet.run_step(groups, group_size, seed=seed, on_dispatch=on_dispatch)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    wall, cpu, main_cpu = time.perf_counter() - t0, time.process_time() - cpu0, time.thread_time() - main0
     ids = batch.group_ids()
     counts = {g: 0 for g, _ in groups}
     for g in ids:
@@ -228,11 +232,37 @@ def timed_step(fleet: RolloutFleet, groups: list[tuple], group_size: int, seed: 
     return {
         "wall_s": wall,
         "driver_cpu_s": cpu,
+        "driver_main_thread_cpu_s": main_cpu,
         "dispatch_s": dispatched[first_round - 1] - t0,
         "trajectories": len(batch),
         "each_group_once": all(c == group_size for c in counts.values()),
         "requeued_groups": stats["requeued_groups"],
         "replaced_workers": stats["replaced_workers"],
+    }
+
+
+def profiled_step(fleet: RolloutFleet, groups: list[tuple], group_size: int, seed: int, top: int) -> dict:
+    """One ``run_step`` under cProfile, timed by the main thread's CPU clock (waiting is not counted): the driver's
+    main thread's functions by their own CPU seconds (cProfile sees no other thread: the CPU Ray's own threads spend,
+    deserializing results among it, is ``other_threads_cpu_s``)."""
+    prof = cProfile.Profile(time.thread_time)
+    cpu0, main0 = time.process_time(), time.thread_time()
+    prof.enable()
+    fleet.run_step(groups, group_size, seed=seed)
+    prof.disable()
+    cpu, main_cpu = time.process_time() - cpu0, time.thread_time() - main0
+    stats = pstats.Stats(prof)
+    rows = []
+    for (path, line, name), (_, calls, own, cumulative, _) in stats.stats.items():
+        rows.append({"function": f"{Path(path).name}:{line}:{name}", "calls": calls, "own_s": own, "cum_s": cumulative})
+    rows.sort(key=lambda r: -r["own_s"])
+    return {
+        "driver_cpu_s": cpu,
+        "main_thread_cpu_s": main_cpu,
+        "other_threads_cpu_s": cpu - main_cpu,
+        "profiled_s": stats.total_tt,
+        "by_own_time": rows[:top],
+        "by_cumulative_time": sorted(rows, key=lambda r: -r["cum_s"])[:top],
     }
 
 
@@ -310,10 +340,13 @@ def fleet_size(args, n: int, resources: dict | None = None) -> dict:
         out["first_step"] = timed_step(fleet, groups, args.group_size, seed=0)  # (the driver's first imports)
         steps = [timed_step(fleet, groups, args.group_size, seed=s) for s in range(1, args.steps + 1)]
         out["steps"] = steps
-        for key in ("wall_s", "driver_cpu_s", "dispatch_s"):
+        for key in ("wall_s", "driver_cpu_s", "driver_main_thread_cpu_s", "dispatch_s"):
             out[f"median_{key}"] = statistics.median(s[key] for s in steps)
         out["median_overhead_s"] = out["median_wall_s"] - args.decode_s
         print(n, "engines: steps", json.dumps({k: round(v, 3) for k, v in out.items() if "median" in k}), flush=True)
+        if args.profile:
+            out["profile"] = profiled_step(fleet, groups, args.group_size, seed=args.steps + 2, top=args.profile)
+            print(n, "engines: profile", json.dumps({k: v for k, v in out["profile"].items() if k.endswith("_s")}))
         out["collection"] = collection_patterns(fleet, groups, args.group_size)
         print(n, "engines: collection", json.dumps(out["collection"]), flush=True)
         victims = spawner.hosts[: max(1, round(len(spawner.hosts) * 0.1))]
@@ -420,6 +453,13 @@ def main() -> int:
     ap.add_argument("--model-kb", type=int, default=64, help="the pushed model's size")
     ap.add_argument("--timeout", type=float, default=300.0, help="bound on starts and pushes (s)")
     ap.add_argument("--join-timeout", type=float, default=90.0, help="bound on one group formation in part join")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="TOP",
+        help="one more step per size under cProfile; its TOP functions by own and by cumulative time (0: none)",
+    )
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "control_plane.json")
     args = ap.parse_args()
     parts = set(args.parts.split(","))

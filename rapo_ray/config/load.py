@@ -146,17 +146,18 @@ def save_config(cfg: Config, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
+def flat_config(data: dict, prefix: str = "") -> dict:
+    """``to_dict``'s nested sections as one level of dotted keys (``algo.rapo.n_hybrid``); resource maps stay whole."""
+    out = {}
+    for k, v in data.items():
+        if isinstance(v, dict) and not k.endswith("custom_resources"):
+            out.update(flat_config(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def diff_configs(a: Config, b: Config, ignore: tuple = ()) -> list[str]:
     """Dotted keys whose values differ (used to refuse an incompatible resume)."""
-
-    def flat(d, prefix=""):
-        out = {}
-        for k, v in d.items():
-            if isinstance(v, dict) and not k.endswith("custom_resources"):
-                out.update(flat(v, f"{prefix}{k}."))
-            else:
-                out[f"{prefix}{k}"] = v
-        return out
-
-    fa, fb = flat(to_dict(a)), flat(to_dict(b))
+    fa, fb = flat_config(to_dict(a)), flat_config(to_dict(b))
     return sorted(k for k in fa if fa[k] != fb.get(k) and not any(k.startswith(i) for i in ignore))

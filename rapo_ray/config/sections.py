@@ -262,10 +262,12 @@ class RetrievalConfig:
         "tokenizer, tasks and sampler), so another model or sampler gets its own buffer.",
     )
     embedder: str = option(
-        "minilm",
-        "How histories are matched (rapo_ray/retrieval/backends.py): minilm (all-MiniLM-L6-v2 in torch, fp32), "
-        "minilm-onnx-int8 (the same network in ONNX Runtime with int8 weights, exported once under "
-        "run.artifacts_dir) or bm25 (words and numbers, ranked in the replica; needs search_on=replica). Each "
+        "bm25",
+        "How histories are matched (rapo_ray/retrieval/backends.py): bm25 (words and numbers, ranked in the replica; "
+        "needs search_on=replica), minilm (all-MiniLM-L6-v2 in torch, fp32: the paper's; use it with a GPU, "
+        "retrieval.num_gpus) or minilm-onnx-int8 (the same network in ONNX Runtime with int8 weights, exported once "
+        "under run.artifacts_dir). bm25 is the default because on CPU cores shared with the engines it costs a "
+        "tenth of MiniLM's time and matched its held-out result (docs/RESULTS.md, Performance by component). Each "
         "backend other than minilm builds its own buffer.",
         ("minilm", "minilm-onnx-int8", "bm25"),
         aliases={"all-MiniLM-L6-v2": "minilm"},  # the name runs saved before the backends existed
@@ -352,7 +354,8 @@ class RetrievalConfig:
         require(self.embed_cache_size >= 0, f"retrieval.embed_cache_size ({self.embed_cache_size}) must be >= 0")
         require(
             self.embedder != "bm25" or self.search_on == "replica",
-            "retrieval.embedder=bm25 ranks in the retrieval replica's memory: retrieval.search_on must be replica",
+            "retrieval.embedder=bm25 (the default) ranks in the retrieval replica's memory: with "
+            "retrieval.search_on=milvus, set retrieval.embedder=minilm or minilm-onnx-int8",
         )
         require(
             1 <= self.buffer_keep_top_k <= self.buffer_samples_per_question,

@@ -10,13 +10,14 @@ from tests.helpers import benchmark_module
 
 def test_packed_fleet_steps_kill_and_sync(ray_session):
     control_plane = benchmark_module("control_plane")
-    args = argparse.Namespace(hosts=2, steps=1, group_size=2, decode_s=1.0, model_kb=4, timeout=60.0)
+    args = argparse.Namespace(hosts=2, steps=1, group_size=2, decode_s=1.0, model_kb=4, timeout=60.0, profile=5)
     out = control_plane.fleet_size(args, 6)
     assert (out["hosts"], out["per_host"]) == (2, 3)
     for step in (out["first_step"], *out["steps"]):
         assert step["each_group_once"] and step["trajectories"] == 12
         assert step["requeued_groups"] == step["replaced_workers"] == 0
         assert step["wall_s"] >= args.decode_s
+        assert 0 < step["driver_main_thread_cpu_s"] <= step["driver_cpu_s"]
     kill = out["kill"]  # one host of two (3 engines, one group each) killed once every group was out
     assert kill["killed_engines"] == 3
     assert kill["requeued_groups"] == 3 and kill["replaced_workers"] == 3
@@ -29,3 +30,7 @@ def test_packed_fleet_steps_kill_and_sync(ray_session):
     for name in patterns:  # two turns each, every call collected (a lost one would hang, a failed one raise)
         assert len(out["collection"][name]["wall_s"]) == 2 and min(out["collection"][name]["driver_cpu_s"]) > 0
     assert min(out["collection"]["callbacks_future"]["wall_s"]) >= args.decode_s  # it waited for the rollouts
+    profile = out["profile"]  # one more step under cProfile: run_step itself is among the main thread's functions
+    assert len(profile["by_own_time"]) == len(profile["by_cumulative_time"]) == 5
+    assert any(r["function"].endswith(":run_step") for r in profile["by_cumulative_time"])
+    assert profile["other_threads_cpu_s"] == profile["driver_cpu_s"] - profile["main_thread_cpu_s"]

@@ -61,7 +61,12 @@ def test_serve_app_handle_and_http(serve_url, tmp_path, search_on):
     server = MilvusLiteServer(tmp_path / "srv")
     try:
         cfg = load_config(
-            overrides=["retrieval.collection=svc", "retrieval.batch_wait_ms=5", f"retrieval.search_on={search_on}"]
+            overrides=[
+                "retrieval.collection=svc",
+                "retrieval.batch_wait_ms=5",
+                f"retrieval.search_on={search_on}",
+                "retrieval.embedder=minilm",  # the keys below are MiniLM vectors
+            ]
         )
         emb = Embedder()
         steps = _steps(30)

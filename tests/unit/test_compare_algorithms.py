@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from rapo_ray.config import load_config
+from rapo_ray.config.load import save_config
 from tests.helpers import compare_module
 
 
@@ -93,3 +95,61 @@ def test_tables_report_the_retrieved_step_use_pooled_over_seeds():
     assert "| rapo | gsm8k | 40 | 0.700 ± 0.141 | 12 | 0.125 ± 0.177 |" in text
     assert "| rapo | 0.045 ± 0.007 | 0.045 ± 0.007 | 0.015 ± 0.007 |" in text  # accuracy, and its change
     assert "| grpo | gsm8k" not in text  # GRPO never retrieves
+
+
+def test_tables_pair_each_rapo_variant_with_rapo_and_give_each_step_time_against_grpo():
+    """#39's backend arms: a variant is tested against RAPO itself (held-out problems paired per seed), every
+    method against GRPO, and the step table says each method's step time as a multiple of GRPO's."""
+    compare = compare_module()
+
+    def run(method, seed, step_s, solved):
+        problems = {f"arith-{i}": ok for i, ok in enumerate(solved)}
+        acc = sum(solved) / len(solved)
+        return {
+            "method": method,
+            "seed": seed,
+            "before": {"eval/arith/accuracy": 0.0, "eval/mean_accuracy": 0.0},
+            "after": {"eval/arith/accuracy": acc, "eval/mean_accuracy": acc},
+            "after_problems": problems,
+            "per_step": {"step_s": step_s},
+            "rewards": {},
+        }
+
+    results = [
+        run("grpo", 0, 2.0, [1, 0, 0, 0]),
+        run("rapo", 0, 3.0, [1, 1, 0, 0]),
+        run("rapo bm25", 0, 2.2, [1, 0, 1, 1]),
+    ]
+    assert compare.baselines(results) == [("rapo", "grpo"), ("rapo bm25", "grpo"), ("rapo bm25", "rapo")]
+    text = compare.tables(results)
+    # bm25 against rapo: problems 2 and 3 only bm25 solved, problem 1 only rapo; gain (2 - 1) / 4
+    assert "| rapo bm25 | rapo | arith | 4 | 2 | 1 | +0.250 | 1.000 |" in text
+    assert "| rapo bm25 | grpo | arith | 4 | 2 | 0 | +0.500 | 0.500 |" in text
+    assert "| rapo | 3.00 | 1.50x |" in text and "| rapo bm25 | 2.20 | 1.10x |" in text
+    assert "| grpo | grpo |" not in text
+
+
+def test_a_finished_run_is_reused_only_for_the_config_it_was_run_with(tmp_path):
+    """A finished run of an arm is reused by a later comparison only when its saved config is what the arm asks for
+    today: after a default changed (the retrieval backend, #39), an old run under the same name is named, not mixed
+    in. Where runs go and checkpointing may differ."""
+    compare = compare_module()
+    save_config(load_config(overrides=["retrieval.embedder=minilm", "run.name=a"]), tmp_path / "config.yaml")
+    assert (
+        compare.config_change(tmp_path, None, ["retrieval.embedder=minilm", "run.name=b", "checkpoint.every=0"]) == ""
+    )
+    change = compare.config_change(tmp_path, None, ["retrieval.embedder=bm25", "trainer.seed=3"])
+    assert change == "retrieval.embedder: 'minilm' -> 'bm25', trainer.seed: 0 -> 3"
+    (tmp_path / "config.yaml").write_text("algo: {no_such_knob: 1}\n")  # a run from a schema that no longer loads
+    assert compare.config_change(tmp_path, None, []).startswith("its config.yaml does not load today: ")
+
+
+def test_each_seed_runs_the_arms_in_a_rotated_order():
+    compare = compare_module()
+    arms = ["grpo", "rapo", "rapo bm25"]
+    assert [compare.run_order(arms, t) for t in range(4)] == [
+        ["grpo", "rapo", "rapo bm25"],
+        ["rapo", "rapo bm25", "grpo"],
+        ["rapo bm25", "grpo", "rapo"],
+        ["grpo", "rapo", "rapo bm25"],
+    ]

@@ -60,6 +60,13 @@ def test_actor_stats_merge_each_key_by_its_rule():
     merged = merge_actor_stats([a, b])
     assert merged == pytest.approx({"generate_s": 3.5, "kl": 0.3, "chunk_s": 5.0})
     assert merge_actor_stats([]) == {}
+    # a key only some actors report is reduced over those that sent it (kl: three parts of four)
+    c = actor_stats({"generate_s": 0.5, "kl": 0.8}, {"kl": "mean"})
+    assert merge_actor_stats([a, b, c, actor_stats({"retrievals": 2})]) == pytest.approx(
+        {"generate_s": 4.0, "kl": (0.2 + 0.4 + 0.8) / 3, "chunk_s": 5.0, "retrievals": 2.0}
+    )
+    with pytest.raises(ValueError, match="'kl' is reduced by 'mean' in one part, 'max' in another"):
+        merge_actor_stats([a, actor_stats({"kl": 0.1}, {"kl": "max"})])
 
 
 def test_actor_stats_refuses_an_unknown_reduction():
