@@ -123,14 +123,15 @@ def train_once(name: str, overrides: list[str], seed: int, args, out: Path) -> P
 
 def config_change(run_dir: Path, config: str | None, overrides: list[str]) -> str:
     """How the config saved in finished run ``run_dir`` differs from the one ``config`` + ``overrides`` gives today
-    ("key: saved -> now", ...), ignoring where runs go and checkpointing; empty when they agree."""
+    ("key: saved -> now", ...), ignoring where runs go, checkpointing and the CPU shares a launch fits to the
+    machine; empty when they agree."""
     want = load_config(config, overrides)
     try:
         saved = from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
     except (OSError, ValueError, yaml.YAMLError) as exc:  # (ConfigError is a ValueError) a run from an older schema
         return f"its config.yaml does not load today: {exc}"
     was, now = flat_config(to_dict(saved)), flat_config(to_dict(want))
-    keys = diff_configs(saved, want, ignore=("run.", "checkpoint."))
+    keys = diff_configs(saved, want, ignore=("run.", "checkpoint.", "resources."))
     return ", ".join(f"{k}: {was[k]!r} -> {now.get(k)!r}" for k in keys)
 
 

@@ -132,12 +132,11 @@ def test_tables_pair_each_rapo_variant_with_rapo_and_give_each_step_time_against
 def test_a_finished_run_is_reused_only_for_the_config_it_was_run_with(tmp_path):
     """A finished run of an arm is reused by a later comparison only when its saved config is what the arm asks for
     today: after a default changed (the retrieval backend, #39), an old run under the same name is named, not mixed
-    in. Where runs go and checkpointing may differ."""
+    in. Where runs go, checkpointing and the resources a launch fits to the machine may differ."""
     compare = compare_module()
     save_config(load_config(overrides=["retrieval.embedder=minilm", "run.name=a"]), tmp_path / "config.yaml")
-    assert (
-        compare.config_change(tmp_path, None, ["retrieval.embedder=minilm", "run.name=b", "checkpoint.every=0"]) == ""
-    )
+    same = ["retrieval.embedder=minilm", "run.name=b", "checkpoint.every=0", "resources.cpus_per_learner=0.5"]
+    assert compare.config_change(tmp_path, None, same) == ""
     change = compare.config_change(tmp_path, None, ["retrieval.embedder=bm25", "trainer.seed=3"])
     assert change == "retrieval.embedder: 'minilm' -> 'bm25', trainer.seed: 0 -> 3"
     (tmp_path / "config.yaml").write_text("algo: {no_such_knob: 1}\n")  # a run from a schema that no longer loads
