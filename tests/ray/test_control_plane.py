@@ -33,4 +33,5 @@ def test_packed_fleet_steps_kill_and_sync(ray_session):
     profile = out["profile"]  # one more step under cProfile: run_step itself is among the main thread's functions
     assert len(profile["by_own_time"]) == len(profile["by_cumulative_time"]) == 5
     assert any(r["function"].endswith(":run_step") for r in profile["by_cumulative_time"])
-    assert profile["other_threads_cpu_s"] == profile["driver_cpu_s"] - profile["main_thread_cpu_s"]
+    # cProfile ran on the main thread's CPU clock inside the window the main thread's CPU was read over
+    assert 0 < profile["profiled_s"] <= profile["main_thread_cpu_s"] <= profile["driver_cpu_s"]

@@ -1,4 +1,5 @@
-"""benchmarks/compare_algorithms.py's reading of trajectories: the answer-leak flags."""
+"""benchmarks/compare_algorithms.py: its reading of trajectories (the answer-leak flags), its tables, the order it runs
+the arms in, and when it reuses a finished run."""
 
 from __future__ import annotations
 
