@@ -12,8 +12,9 @@ lengths sampled in [32, 256] as ``rollout.engine=simulated`` does, a 128-token p
 - ``start_s``: spawning the hosts and ready-pinging every engine;
 - per step, one group per engine: ``wall_s``; ``driver_cpu_s``, the driver process's CPU seconds in the step (its
   scheduling, dispatch, collection and deserialization: the control plane's cost), and of them
-  ``driver_main_thread_cpu_s``, the thread that runs ``run_step`` (the rest is Ray's own threads); ``dispatch_s``, until every group
-  was handed out; ``overhead_s`` = wall - decode_s;
+  ``driver_main_thread_cpu_s``, the thread that runs ``run_step`` (the rest is Ray's own threads), and ``gc_s``,
+  Python's garbage collector's (in any thread; ``gc_s_by_generation``); ``dispatch_s``, until every group was handed
+  out; ``overhead_s`` = wall - decode_s;
 - ``collection``: the driver CPU (and wall) to collect one round of rollout calls, one per engine with the real
   payload, by each way the fleet has collected them, on the same engines, twice in turn: ``wait_each`` (``ray.wait``
   for one ref over every call in flight, then ``ray.get``), ``callbacks_get`` (completions queued by a callback, one
@@ -25,7 +26,8 @@ lengths sampled in [32, 256] as ``rollout.engine=simulated`` does, a 128-token p
 - ``sync``: the weight-sync group over the engines + 1 stub learner: forming it (``join_s``), a push of a
   ``--model-kb`` model, first (connections made) and second; after the kill step, ``push_weights`` (ping, re-form,
   push) and the ping of every engine alone (``ping_all_s``);
-- ``driver_rss_mb``;
+- ``driver_rss_mb``; per step ``heap_objects``, the objects the collector walks (start-up's are frozen first, as the
+  launcher does; ``--no-gc-freeze`` leaves them);
 - with ``--profile TOP``: one more step under cProfile, its main thread's TOP functions by own and cumulative time.
 Part ``join`` (no Ray): gloo group formation, members as threads of this process with a store connection and device
 each, eager full mesh (what the sync group did) against lazy connections (what it does), at 8 / 32 / 128 members,
@@ -41,8 +43,10 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import cProfile  # noqa: E402
 import datetime  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import pstats  # noqa: E402
@@ -212,6 +216,29 @@ def tasks(n: int) -> list[tuple]:
     return [(f"g{i}", Task(f"q{i}", f"What is {i} + 1?", (str(i + 1),), "math")) for i in range(n)]
 
 
+@contextlib.contextmanager
+def gc_clock():
+    """Yields ``[CPU seconds, collections, CPU seconds per generation]`` of Python's garbage collector in this process
+    (in whichever thread it ran) while inside."""
+    total = [0.0, 0, [0.0, 0.0, 0.0]]
+    started: dict = {}
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[threading.get_ident()] = time.thread_time()
+        elif threading.get_ident() in started:
+            dt = time.thread_time() - started.pop(threading.get_ident())
+            total[0] += dt
+            total[1] += 1
+            total[2][info["generation"]] += dt
+
+    gc.callbacks.append(on_gc)
+    try:
+        yield total
+    finally:
+        gc.callbacks.remove(on_gc)
+
+
 def timed_step(fleet: RolloutFleet, groups: list[tuple], group_size: int, seed: int, on_all_out=None) -> dict:
     """One ``run_step``: wall, driver CPU, time to hand out every group of the first round, its stats."""
     first_round = min(len(groups), len(fleet.workers))
@@ -223,7 +250,8 @@ def timed_step(fleet: RolloutFleet, groups: list[tuple], group_size: int, seed: 
             on_all_out()
 
     cpu0, main0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
-    batch, stats = fleet.run_step(groups, group_size, seed=seed, on_dispatch=on_dispatch)
+    with gc_clock() as gc_s:
+        batch, stats = fleet.run_step(groups, group_size, seed=seed, on_dispatch=on_dispatch)
     wall, cpu, main_cpu = time.perf_counter() - t0, time.process_time() - cpu0, time.thread_time() - main0
     ids = batch.group_ids()
     counts = {g: 0 for g, _ in groups}
@@ -234,6 +262,10 @@ def timed_step(fleet: RolloutFleet, groups: list[tuple], group_size: int, seed: 
         "driver_cpu_s": cpu,
         "driver_main_thread_cpu_s": main_cpu,
         "dispatch_s": dispatched[first_round - 1] - t0,
+        "gc_s": gc_s[0],
+        "gc_collections": gc_s[1],
+        "gc_s_by_generation": gc_s[2],
+        "heap_objects": len(gc.get_objects()),
         "trajectories": len(batch),
         "each_group_once": all(c == group_size for c in counts.values()),
         "requeued_groups": stats["requeued_groups"],
@@ -326,6 +358,8 @@ def fleet_size(args, n: int, resources: dict | None = None) -> dict:
     spawner = PackedSpawner(per_host, args.decode_s, resources)
     t0 = time.perf_counter()
     fleet = RolloutFleet("", cfg, None, spawner=spawner)
+    if args.gc_freeze:
+        gc.freeze()  # as the launcher does once its topology is up: collections skip what start-up made
     out = {"engines": n, "hosts": len(spawner.hosts), "per_host": per_host, "start_s": time.perf_counter() - t0}
     learner = ray.remote(num_cpus=0, resources=resources)(StubLearner).remote(args.model_kb)
     sync = WeightSync(bucket_mb=32, timeout_s=args.timeout)
@@ -340,7 +374,7 @@ def fleet_size(args, n: int, resources: dict | None = None) -> dict:
         out["first_step"] = timed_step(fleet, groups, args.group_size, seed=0)  # (the driver's first imports)
         steps = [timed_step(fleet, groups, args.group_size, seed=s) for s in range(1, args.steps + 1)]
         out["steps"] = steps
-        for key in ("wall_s", "driver_cpu_s", "driver_main_thread_cpu_s", "dispatch_s"):
+        for key in ("wall_s", "driver_cpu_s", "driver_main_thread_cpu_s", "dispatch_s", "gc_s"):
             out[f"median_{key}"] = statistics.median(s[key] for s in steps)
         out["median_overhead_s"] = out["median_wall_s"] - args.decode_s
         print(n, "engines: steps", json.dumps({k: round(v, 3) for k, v in out.items() if "median" in k}), flush=True)
@@ -450,6 +484,12 @@ def main() -> int:
     )
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--decode-s", type=float, default=2.0, help="an engine's modelled rollout time per call")
+    ap.add_argument(
+        "--no-gc-freeze",
+        dest="gc_freeze",
+        action="store_false",
+        help="leave the start-up heap to the garbage collector (the launcher freezes it; this measures the difference)",
+    )
     ap.add_argument("--model-kb", type=int, default=64, help="the pushed model's size")
     ap.add_argument("--timeout", type=float, default=300.0, help="bound on starts and pushes (s)")
     ap.add_argument("--join-timeout", type=float, default=90.0, help="bound on one group formation in part join")

@@ -8,6 +8,7 @@ One RL step is ``Trainer.step`` (rapo_ray/training/trainer.py); what is reported
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -367,6 +368,7 @@ def run(cfg: Config, log=print) -> dict:
         run_dir.create(cfg)
     log(f"run directory: {run_dir.path}")
     retrieval = trainer = metrics = None
+    frozen = False
     try:
         metrics = MetricsLog(run_dir.path, cfg, log)
         # 1. starting policy, 2. RAPO's buffer behind Serve, 3. learners + fleet + weight sync
@@ -388,7 +390,11 @@ def run(cfg: Config, log=print) -> dict:
             before, before_problems = evaluate_starting_policy(cfg, trainer, model_dir, log)
             write_json_atomic(before_path, {**before, "problems": before_problems})
             log("held-out before training: " + fmt_eval(before))
-        # 4. train; a lost learner (node loss) rebuilds the learners and fleet from the last checkpoint
+        # 4. train; a lost learner (node loss) rebuilds the learners and fleet from the last checkpoint.
+        # What start-up made lives for the run: frozen, the garbage collector's full passes (one every few steps, as
+        # every worker's trajectories arrive) no longer walk it
+        gc.freeze()
+        frozen = True
         failures = 0
         progress = Progress(cfg.run.progress, cfg.trainer.total_steps, trainer.step_idx, cfg.algo.name, log)
         while trainer.step_idx < cfg.trainer.total_steps:
@@ -452,6 +458,8 @@ def run(cfg: Config, log=print) -> dict:
         log(before_after_table(before, after, change))
         return summary
     finally:
+        if frozen:  # back to the collector for a caller that goes on (a notebook, a sweep, the tests)
+            gc.unfreeze()
         if trainer is not None:
             trainer.shutdown()
         if retrieval is not None:

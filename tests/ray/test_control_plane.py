@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from tests.helpers import benchmark_module
 
 
 def test_packed_fleet_steps_kill_and_sync(ray_session):
     control_plane = benchmark_module("control_plane")
-    args = argparse.Namespace(hosts=2, steps=1, group_size=2, decode_s=1.0, model_kb=4, timeout=60.0, profile=5)
+    # (no gc.freeze: it would freeze the suite's own heap)
+    args = argparse.Namespace(
+        hosts=2, steps=1, group_size=2, decode_s=1.0, model_kb=4, timeout=60.0, profile=5, gc_freeze=False
+    )
     out = control_plane.fleet_size(args, 6)
     assert (out["hosts"], out["per_host"]) == (2, 3)
     for step in (out["first_step"], *out["steps"]):
@@ -18,6 +23,9 @@ def test_packed_fleet_steps_kill_and_sync(ray_session):
         assert step["requeued_groups"] == step["replaced_workers"] == 0
         assert step["wall_s"] >= args.decode_s
         assert 0 < step["driver_main_thread_cpu_s"] <= step["driver_cpu_s"]
+        assert 0 <= step["gc_s"] <= step["driver_cpu_s"] and step["gc_s"] == pytest.approx(
+            sum(step["gc_s_by_generation"])
+        )
     kill = out["kill"]  # one host of two (3 engines, one group each) killed once every group was out
     assert kill["killed_engines"] == 3
     assert kill["requeued_groups"] == 3 and kill["replaced_workers"] == 3

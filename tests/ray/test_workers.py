@@ -54,9 +54,10 @@ def _assert_workers_hold(fleet, learners, version, dtype=torch.float32):
             assert torch.equal(got[k], v.to(dtype).to(got[k].dtype)), k
 
 
-@pytest.fixture
-def sync_parts(ray_session, fleet_cfg, tiny_model_dir):
-    """Two FSDP learner ranks, a two-worker fleet whose new workers are brought up to date, and the sync."""
+@pytest.fixture(scope="class")
+def sync_topology(ray_session, fleet_cfg, tiny_model_dir):
+    """Two FSDP learner ranks, a two-worker fleet whose new workers are brought up to date, and the sync: started
+    once (~20 s) for the tests of ``TestWeightSync``, each of which leaves it whole for the next."""
     from dataclasses import replace
 
     from rapo_ray.workers.learner import LearnerGroup
@@ -79,6 +80,15 @@ def sync_parts(ray_session, fleet_cfg, tiny_model_dir):
         fleet.shutdown()
         learners.shutdown()
         sync.close()
+
+
+@pytest.fixture
+def sync_parts(sync_topology):
+    """The shared topology at two workers, with a new weight-sync group due (as after a membership change)."""
+    learners, fleet, sync, state = sync_topology
+    fleet.scale(2)
+    sync.reset()
+    return learners, fleet, sync, state
 
 
 def _kill(worker):
@@ -110,117 +120,133 @@ def test_killed_worker_loses_no_group(ray_session, fleet_cfg, tiny_model_dir):
         fleet.shutdown()
 
 
-def test_scale_up_down_and_weight_sync(sync_parts):
-    """Issue #19: the learners send to the engines directly; a worker added mid-run holds the current version
-    before its first rollout; the group is rebuilt for every membership; bf16 on the wire is bf16 in the engine."""
-    from rapo_ray.workers.sync import WeightSync
+class TestWeightSync:
+    """The learners, the fleet and the sync of ``sync_topology``, shared by the tests in turn."""
 
-    learners, fleet, sync, state = sync_parts
-    _move_weights(learners, 0.01)
-    assert sync.push(learners.workers, fleet.handles(), 3) > 0
-    state["version"] = 3
-    _assert_workers_hold(fleet, learners, 3)
-    assert sync.last["bytes"] > 0 and sync.last["buckets"] > 1
-    before = learners.state_dict()
-    _optimizer_step(learners)
-    sync.push(learners.workers, fleet.handles(), 3)  # (same version number: only the weights are checked here)
-    _assert_workers_hold(fleet, learners, 3)
-    assert any(not torch.equal(before[k], v) for k, v in learners.state_dict().items())
-    fleet.scale(3)  # the new worker is brought up to date before it takes work
-    assert len(fleet.workers) == 3
-    _assert_workers_hold(fleet, learners, 3)
-    _move_weights(learners, -0.02)
-    sync.push(learners.workers, fleet.handles(), 4)  # the group is rebuilt for 3 members
-    state["version"] = 4
-    _assert_workers_hold(fleet, learners, 4)
-    half = WeightSync(bucket_mb=0.05, timeout_s=120, dtype="bfloat16")
-    half.push(learners.workers, fleet.handles(), 5)
-    _assert_workers_hold(fleet, learners, 5, dtype=torch.bfloat16)
-    assert half.last["bytes"] < sync.last["bytes"] * 0.55  # half the bytes of fp32 (plus alignment)
-    fleet.scale(1)
-    assert len(fleet.workers) == 1
-    batch, _ = fleet.run_step(_groups(2), 2, seed=0)
-    assert len(batch) == 4 and {t.policy_version for t in batch} == {5}
-    assert fleet.autoscale(backlog_groups=5, groups_per_worker=2) == 3  # ceil(5/2) capped by max_workers
-    assert fleet.autoscale(backlog_groups=0) == 1
-    assert [e.kind for e in fleet.events][:3] == ["start", "scale_up", "scale_down"]
+    def test_scale_up_down_and_weight_sync(self, sync_parts):
+        """Issue #19: the learners send to the engines directly; a worker added mid-run holds the current version
+        before its first rollout; the group is rebuilt for every membership; bf16 on the wire is bf16 in the engine."""
+        from rapo_ray.workers.sync import WeightSync
 
-
-def test_a_worker_that_dies_outside_a_rollout_is_replaced_at_the_weight_push(sync_parts):
-    """Issue #22: a rollout worker killed after its rollout (during the old-logprob pass or the update) used to end
-    the run at the next weight push. Now it is replaced with the current weights, whether the push meets it dead in
-    the group of the last push or finds it dead before forming a new group. A push to an unchanged group pings no
-    one, and a replacement gets one push, not a bring-up push and then the fleet's."""
-    from rapo_ray.training.trainer import push_weights
-
-    learners, fleet, sync, state = sync_parts
-    pings = []
-    check = fleet.replace_dead
-    fleet.replace_dead = lambda *args, **kw: (pings.append(args), check(*args, **kw))[1]
-
-    def push(version: int) -> tuple[int, int]:
-        """(workers replaced, groups formed) by one push_weights."""
+        learners, fleet, sync, state = sync_parts
+        first_event = len(fleet.events)
         _move_weights(learners, 0.01)
-        state["version"] = version  # what the trainer's version is once the learners updated
-        generation = sync.generation
-        replaced = push_weights(sync, fleet, learners.workers, version)
-        _assert_workers_hold(fleet, learners, version)
-        return replaced, sync.generation - generation
+        assert sync.push(learners.workers, fleet.handles(), 3) > 0
+        state["version"] = 3
+        _assert_workers_hold(fleet, learners, 3)
+        assert sync.last["bytes"] > 0 and sync.last["buckets"] > 1
+        before = learners.state_dict()
+        _optimizer_step(learners)
+        sync.push(learners.workers, fleet.handles(), 3)  # (same version number: only the weights are checked here)
+        _assert_workers_hold(fleet, learners, 3)
+        assert any(not torch.equal(before[k], v) for k, v in learners.state_dict().items())
+        fleet.scale(3)  # the new worker is brought up to date before it takes work
+        assert len(fleet.workers) == 3
+        _assert_workers_hold(fleet, learners, 3)
+        _move_weights(learners, -0.02)
+        sync.push(learners.workers, fleet.handles(), 4)  # the group is rebuilt for 3 members
+        state["version"] = 4
+        _assert_workers_hold(fleet, learners, 4)
+        half = WeightSync(bucket_mb=0.05, timeout_s=120, dtype="bfloat16")
+        half.push(learners.workers, fleet.handles(), 5)
+        _assert_workers_hold(fleet, learners, 5, dtype=torch.bfloat16)
+        assert half.last["bytes"] < sync.last["bytes"] * 0.55  # half the bytes of fp32 (plus alignment)
+        fleet.scale(1)
+        assert len(fleet.workers) == 1
+        batch, _ = fleet.run_step(_groups(2), 2, seed=0)
+        assert len(batch) == 4 and {t.policy_version for t in batch} == {5}
+        assert fleet.autoscale(backlog_groups=5, groups_per_worker=2) == 3  # ceil(5/2) capped by max_workers
+        assert fleet.autoscale(backlog_groups=0) == 1
+        assert fleet.events[0].kind == "start"
+        assert [e.kind for e in fleet.events[first_event:]][:2] == ["scale_up", "scale_down"]
 
-    assert push(1) == (0, 1) and len(pings) == 1  # the first push forms the group: the fleet is checked first
-    assert push(2) == (0, 0) and len(pings) == 1  # same group: no ping
-    _kill(fleet.handles()[0])  # died while idle, after its rollout: the push meets it, then replaces and retries
-    assert push(3) == (1, 1) and len(fleet.workers) == 2 and len(pings) == 2
-    sync.reset()  # a new group is due (as after a failed push): a dead worker is found before the group forms
-    _kill(fleet.handles()[1])
-    assert push(4) == (1, 1) and len(fleet.workers) == 2 and len(pings) == 3
-    batch, _ = fleet.run_step(_groups(2), 2, seed=0)
-    assert len(batch) == 4
-    assert sum(e.kind == "replaced" for e in fleet.events) == 2
+    def test_a_worker_that_dies_outside_a_rollout_is_replaced_at_the_weight_push(self, sync_parts):
+        """Issue #22: a rollout worker killed after its rollout (during the old-logprob pass or the update) used to end
+        the run at the next weight push. Now it is replaced with the current weights, whether the push meets it dead in
+        the group of the last push or finds it dead before forming a new group. A push to an unchanged group pings no
+        one, and a replacement gets one push, not a bring-up push and then the fleet's."""
+        from rapo_ray.training.trainer import push_weights
 
+        learners, fleet, sync, state = sync_parts
+        first_event = len(fleet.events)
+        pings = []
+        check = fleet.replace_dead
+        fleet.replace_dead = lambda *args, **kw: (pings.append(args), check(*args, **kw))[1]
 
-def test_a_worker_killed_during_the_broadcast_neither_hangs_the_push_nor_loads_a_mixed_version(sync_parts):
-    """Issue #19: a member dying mid-push aborts the group: the survivors load nothing of the failed push (they keep
-    the previous version whole), no learner rank is left waiting, and the retry brings everyone to
-    the new version."""
-    import threading
-    import time
+        def push(version: int) -> tuple[int, int]:
+            """(workers replaced, groups formed) by one push_weights."""
+            _move_weights(learners, 0.01)
+            state["version"] = version  # what the trainer's version is once the learners updated
+            generation = sync.generation
+            replaced = push_weights(sync, fleet, learners.workers, version)
+            _assert_workers_hold(fleet, learners, version)
+            return replaced, sync.generation - generation
 
-    from rapo_ray.core.errors import WORKER_DIED
-    from rapo_ray.training.trainer import push_weights
+        try:
+            assert push(1) == (0, 1) and len(pings) == 1  # the first push forms the group: the fleet is checked first
+            assert push(2) == (0, 0) and len(pings) == 1  # same group: no ping
+            _kill(fleet.handles()[0])  # died idle, after its rollout: the push meets it, then replaces and retries
+            assert push(3) == (1, 1) and len(fleet.workers) == 2 and len(pings) == 2
+            sync.reset()  # a new group is due (as after a failed push): a dead worker is found before the group forms
+            _kill(fleet.handles()[1])
+            assert push(4) == (1, 1) and len(fleet.workers) == 2 and len(pings) == 3
+        finally:
+            del fleet.replace_dead  # the class's method again, for the next test
+        batch, _ = fleet.run_step(_groups(2), 2, seed=0)
+        assert len(batch) == 4
+        assert sum(e.kind == "replaced" for e in fleet.events[first_event:]) == 2
 
-    learners, fleet, sync, state = sync_parts
-    _move_weights(learners, 0.01)
-    sync.push(learners.workers, fleet.handles(), 1)
-    state["version"] = 1
-    before = learners.state_dict()
-    _move_weights(learners, 0.01)
-
-    def slow_sender(worker):  # 0.2 s per bucket on learner rank 0, so the kill lands mid-push
+    def test_a_worker_killed_during_the_broadcast_neither_hangs_the_push_nor_loads_a_mixed_version(self, sync_parts):
+        """Issue #19: a member dying mid-push aborts the group: the survivors load nothing of the failed push (they keep
+        the previous version whole), no learner rank is left waiting, and the retry brings everyone to
+        the new version."""
+        import threading
         import time
 
-        import rapo_ray.workers.sync as sync_module
+        from rapo_ray.core.errors import WORKER_DIED
+        from rapo_ray.training.trainer import push_weights
 
-        fast = sync_module.pack_segment
-        sync_module.pack_segment = lambda *args: (time.sleep(0.2), fast(*args))[1]
-        return True
+        learners, fleet, sync, state = sync_parts
+        _move_weights(learners, 0.01)
+        sync.push(learners.workers, fleet.handles(), 1)
+        state["version"] = 1
+        before = learners.state_dict()
+        _move_weights(learners, 0.01)
 
-    ray.get(learners.workers[0].__ray_call__.remote(slow_sender))
-    victim, survivor = fleet.handles()
-    timer = threading.Timer(0.5, lambda: ray.kill(victim, no_restart=True))
-    timer.start()
-    t0 = time.perf_counter()
-    with pytest.raises(WORKER_DIED):
-        sync.push(learners.workers, fleet.handles(), 2)
-    timer.join()
-    assert time.perf_counter() - t0 < 30  # failed at once, not at the 120 s timeout
-    assert sync.last["buckets"] > 3  # (of push 1) the kill landed before the last bucket
-    got = ray.get(survivor.state_dict.remote())
-    assert ray.get(survivor.ready.remote())["version"] == 1
-    assert all(torch.equal(got[k], v) for k, v in before.items())  # version 1 whole: nothing of version 2
-    state["version"] = 2
-    assert push_weights(sync, fleet, learners.workers, 2) == 1
-    _assert_workers_hold(fleet, learners, 2)
+        def slow_sender(worker):  # 0.2 s per bucket on learner rank 0, so the kill lands mid-push
+            import time
+
+            import rapo_ray.workers.sync as sync_module
+
+            worker.fast_pack_segment = fast = sync_module.pack_segment
+            sync_module.pack_segment = lambda *args: (time.sleep(0.2), fast(*args))[1]
+            return True
+
+        def fast_sender(worker):
+            import rapo_ray.workers.sync as sync_module
+
+            sync_module.pack_segment = worker.fast_pack_segment
+            return True
+
+        ray.get(learners.workers[0].__ray_call__.remote(slow_sender))
+        victim, survivor = fleet.handles()
+        timer = threading.Timer(0.5, lambda: ray.kill(victim, no_restart=True))
+        timer.start()
+        t0 = time.perf_counter()
+        try:
+            with pytest.raises(WORKER_DIED):
+                sync.push(learners.workers, fleet.handles(), 2)
+        finally:
+            timer.join()
+            ray.get(learners.workers[0].__ray_call__.remote(fast_sender))
+        assert time.perf_counter() - t0 < 30  # failed at once, not at the 120 s timeout
+        assert sync.last["buckets"] > 3  # (of push 1) the kill landed before the last bucket
+        got = ray.get(survivor.state_dict.remote())
+        assert ray.get(survivor.ready.remote())["version"] == 1
+        assert all(torch.equal(got[k], v) for k, v in before.items())  # version 1 whole: nothing of version 2
+        state["version"] = 2
+        assert push_weights(sync, fleet, learners.workers, 2) == 1
+        _assert_workers_hold(fleet, learners, 2)
 
 
 def test_a_push_whose_worker_ray_killed_for_memory_is_a_dead_worker_not_a_learner_error(ray_session):

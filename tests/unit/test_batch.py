@@ -39,6 +39,24 @@ def test_select_concat_keep_rows_and_stage_fields_aligned():
         TrajectoryBatch.concat([b.select([0]), b.select([1])])
 
 
+def test_trajectory_pickles_its_token_lists_packed_and_reads_back_equal():
+    t = _traj(1, 6)
+    t.prompt_ids = [1, 2**40]  # a value int32 cannot hold: packed as int64
+    t.logprobs = [-0.1234567890123, *t.logprobs[1:]]  # float64, exact
+    wire = pickle.dumps(t, protocol=5)
+    back = pickle.loads(wire)
+    assert back == t and all(type(getattr(back, k)) is list for k in ("prompt_ids", "response_ids", "logprobs"))
+    state = t.__getstate__()
+    assert (state["prompt_ids"].typecode, state["response_ids"].typecode, state["logprobs"].typecode) == ("q", "i", "d")
+    # unpickling a trajectory pickled before packing (a checkpoint's queue) sets a state of plain lists
+    legacy = Trajectory.__new__(Trajectory)
+    legacy.__setstate__(dict(t.__dict__))
+    assert legacy == t
+    # a per-token list that holds something no array can is pickled as the list
+    t.token_entropies = [0.5, None, 0.5, 0.5, 0.0, 0.0]
+    assert pickle.loads(pickle.dumps(t)).token_entropies == t.token_entropies
+
+
 def test_require_names_the_missing_stage():
     b = TrajectoryBatch([_traj(0, 4)])
     with pytest.raises(ValueError, match=r"\['learner', 'advantage'\] not filled yet"):
