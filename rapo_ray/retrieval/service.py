@@ -1,27 +1,23 @@
 """The retrieval service: a Ray Serve deployment over the Milvus step store, batched with ``@serve.batch``.
 
-- DeploymentHandle API (what rollout workers use): ``handle.retrieve.remote(queries, top_k, question_ids)``
+- DeploymentHandle API (what rollout workers use, through ``rapo_ray.retrieval.client``):
+  ``handle.retrieve.remote(queries, top_k, question_ids)``
 - HTTP: ``POST /retrieve {"queries": [...], "top_k": k}`` -> ``{"results": [[{value, score, reward, meta}]]}``
 Concurrent callers' queries are embedded and searched together; the batch size and wait come from config.
 """
 
 from __future__ import annotations
 
-import logging
-import random
 from dataclasses import asdict
 from typing import Sequence
 
 import numpy as np
 from ray import serve
 
-from rapo_ray.agent.retriever import RetrievedStep, StoredStep, question_filter
+from rapo_ray.agent.retriever import RetrievedStep, StoredStep
 from rapo_ray.core.devices import pick_device
-from rapo_ray.core.errors import RetrievalFailed
 from rapo_ray.retrieval.backends import is_lexical, make_encoder, replica_index
 from rapo_ray.retrieval.store import MilvusStepStore, step_rows
-
-log = logging.getLogger("rapo_ray.retrieval")
 
 
 def _as_dict(hit: RetrievedStep) -> dict:
@@ -208,67 +204,3 @@ def build_app(rcfg, uri: str, batching: bool = True, embedder_files: str = ""):
         rcfg.embedder,
         embedder_files,
     )
-
-
-class HandleStepRetriever:
-    """``StepRetriever`` over the Serve deployment handle, top-1 by score (spec §8.4), optional noise."""
-
-    def __init__(
-        self,
-        handle,
-        noise_prob: float = 0.0,
-        question_scope: str = "any",
-        seed: int = 0,
-        max_chars: int = 1300,
-        timeout_s: float = 30.0,
-    ):
-        self.handle, self.noise_prob, self.question_scope = handle, noise_prob, question_scope
-        self.rng = random.Random(seed)
-        self.max_chars = max_chars
-        self.timeout_s = timeout_s
-        self.failures = 0
-        self._noise_pool: list[dict] = []
-
-    def _call(self, method: str, *args):
-        """One call through the handle; whatever goes wrong there (a dead replica, a timeout, the controller
-        restarting) is ``RetrievalFailed``: the slot degrades, Serve brings the replica back on its own."""
-        try:
-            return getattr(self.handle, method).remote(*args).result(timeout_s=self.timeout_s)
-        except Exception as exc:
-            self.failures += 1
-            if self.failures == 1 or self.failures % 100 == 0:
-                log.warning(
-                    "retrieval failed (%d so far; those slots take a policy step instead): %s: %s",
-                    self.failures,
-                    type(exc).__name__,
-                    str(exc).splitlines()[0] if str(exc) else "",
-                )
-            raise RetrievalFailed(f"{type(exc).__name__}: {exc}") from None
-
-    def retrieve(self, queries, question_ids=None):
-        if not queries:
-            return []
-        filters = question_filter(self.question_scope, question_ids, len(queries))
-        rows = self._call("retrieve", [q[-self.max_chars :] for q in queries], 1, filters)
-        out = []
-        for row in rows:
-            if not row:
-                out.append(None)
-                continue
-            hit = row[0]
-            if self.noise_prob and self.rng.random() < self.noise_prob:
-                if not self._noise_pool:
-                    self._noise_pool = self._call("sample", 256, self.rng.randrange(2**31))
-                if self._noise_pool:
-                    hit = self.rng.choice(self._noise_pool) | {"score": 0.0, "meta": {"question_id": "", "noise": True}}
-            out.append(
-                RetrievedStep(
-                    hit["value"],
-                    list(hit["value_ids"]),
-                    float(hit["score"]),
-                    float(hit["reward"]),
-                    hit["meta"].get("question_id", ""),
-                    bool(hit["meta"].get("noise", False)),
-                )
-            )
-        return out

@@ -27,8 +27,8 @@ from rapo_ray.core.metrics import actor_stats, merge_actor_stats
 from rapo_ray.engines import make_engine
 from rapo_ray.envs.suite import build_tools
 from rapo_ray.model.factory import context_length, load_model_and_tokenizer, load_tokenizer, set_torch_threads
+from rapo_ray.retrieval.client import HandleStepRetriever
 from rapo_ray.retrieval.search_index import search_index_for
-from rapo_ray.retrieval.service import HandleStepRetriever
 from rapo_ray.types.batch import TrajectoryBatch
 from rapo_ray.workers.sync import SyncMember, receive_state
 

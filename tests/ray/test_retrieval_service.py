@@ -26,7 +26,7 @@ def _a_dead_replica_degrades_retrievals_until_serve_replaces_it(handle):
     import ray
 
     from rapo_ray.core.errors import RetrievalFailed
-    from rapo_ray.retrieval.service import HandleStepRetriever
+    from rapo_ray.retrieval.client import HandleStepRetriever
 
     (replica,) = [
         a for a in ray.util.list_named_actors(all_namespaces=True) if "SERVE_REPLICA::retrieval_test" in a["name"]
@@ -55,8 +55,9 @@ def test_serve_app_handle_and_http(serve_url, tmp_path, search_on):
     from ray import serve
 
     from rapo_ray.config import load_config
+    from rapo_ray.retrieval.client import HandleStepRetriever
     from rapo_ray.retrieval.embedder import Embedder
-    from rapo_ray.retrieval.service import HandleStepRetriever, build_app
+    from rapo_ray.retrieval.service import build_app
 
     server = MilvusLiteServer(tmp_path / "srv")
     try:
@@ -127,8 +128,9 @@ def test_serve_app_ranks_by_bm25_and_inserts_with_the_lexical_backend(serve_url,
     from ray import serve
 
     from rapo_ray.config import load_config
+    from rapo_ray.retrieval.client import HandleStepRetriever
     from rapo_ray.retrieval.lexical import HashedTermEncoder
-    from rapo_ray.retrieval.service import HandleStepRetriever, build_app
+    from rapo_ray.retrieval.service import build_app
 
     server = MilvusLiteServer(tmp_path / "srv")
     try:

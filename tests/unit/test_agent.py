@@ -325,7 +325,7 @@ def test_a_failed_retrieval_degrades_the_slot_and_is_counted(tiny_cfg, tiny_toke
 
 def test_the_serve_retriever_turns_any_call_failure_into_retrieval_failed():
     from rapo_ray.core.errors import RetrievalFailed
-    from rapo_ray.retrieval.service import HandleStepRetriever
+    from rapo_ray.retrieval.client import HandleStepRetriever
 
     class Response:
         def __init__(self, exc):
@@ -348,6 +348,17 @@ def test_the_serve_retriever_turns_any_call_failure_into_retrieval_failed():
         with pytest.raises(RetrievalFailed, match=type(exc).__name__):
             retriever.retrieve(["a history"])
         assert retriever.failures == 1
+
+
+def test_a_rollout_worker_loads_serve_only_to_retrieve():
+    """The worker module and the retrieval client import no Serve (nor its pandas and FastAPI): ~1.5 s and ~100 MB
+    less per worker that retrieves nothing; a RAPO worker imports it when it gets its handle."""
+    import subprocess
+    import sys
+
+    probe = "import sys, rapo_ray.workers.rollout; print(sorted(m for m in ('ray.serve', 'pandas', 'fastapi') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_fuzz_random_token_streams_never_crash(tiny_tokenizer, tools):
