@@ -6,7 +6,7 @@ lists packed into arrays for the trip, lists again on arrival) against the per-e
 
 For each shape (trajectories x response tokens, 200 prompt tokens each), one pickle round trip (protocol 5, as Ray's
 serializer uses) with Python's garbage collector on, as in the driver, median of ``--repeats``, the two forms in
-turn: payload bytes, dump and load milliseconds, and of them the collector's milliseconds. Shapes: the real-model
+turn: payload bytes, dump and load milliseconds, and of them the collector's CPU milliseconds. Shapes: the real-model
 recipe's step on a CPU (8 x 500), a GPU step of the paper's recipe (512 x 4,096: 64 prompts x G 8), and one
 between. Results go to benchmarks/results/rollout_payload.json.
 """
@@ -14,7 +14,6 @@ between. Results go to benchmarks/results/rollout_payload.json.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import pickle
 import random
@@ -24,6 +23,7 @@ import time
 from pathlib import Path
 
 from rapo_ray.core.devices import machine_record
+from rapo_ray.core.metrics import gc_clock
 from rapo_ray.types.trajectory import Trajectory
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,24 +50,12 @@ def make_trajectories(n: int, length: int, cls=Trajectory, prompt: int = 200) ->
 
 
 def round_trip(trajs: list[Trajectory]) -> dict:
-    gc_s = [0.0]
-    started = [0.0]
-
-    def on_gc(phase: str, info: dict) -> None:
-        if phase == "start":
-            started[0] = time.perf_counter()
-        else:
-            gc_s[0] += time.perf_counter() - started[0]
-
-    gc.callbacks.append(on_gc)
-    try:
+    with gc_clock() as gc_s:
         t0 = time.perf_counter()
         payload = pickle.dumps(trajs, protocol=5)
         t1 = time.perf_counter()
         back = pickle.loads(payload)
         t2 = time.perf_counter()
-    finally:
-        gc.callbacks.remove(on_gc)
     assert back == trajs and type(back[0].logprobs) is list
     return {"bytes": len(payload), "dump_ms": 1e3 * (t1 - t0), "load_ms": 1e3 * (t2 - t1), "gc_ms": 1e3 * gc_s[0]}
 

@@ -43,7 +43,6 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
 import cProfile  # noqa: E402
 import datetime  # noqa: E402
 import gc  # noqa: E402
@@ -65,7 +64,7 @@ from cluster_sim import local_cluster, scenario_dir  # noqa: E402
 from rapo_ray.config import load_config  # noqa: E402
 from rapo_ray.core.devices import machine_record  # noqa: E402
 from rapo_ray.core.files import write_json_atomic  # noqa: E402
-from rapo_ray.core.metrics import actor_stats  # noqa: E402
+from rapo_ray.core.metrics import actor_stats, gc_clock  # noqa: E402
 from rapo_ray.training.trainer import push_weights  # noqa: E402
 from rapo_ray.types.batch import TrajectoryBatch  # noqa: E402
 from rapo_ray.types.trajectory import GENERATED, ON_POLICY, Task, Trajectory  # noqa: E402
@@ -214,29 +213,6 @@ class StubLearner(SyncMember):
 
 def tasks(n: int) -> list[tuple]:
     return [(f"g{i}", Task(f"q{i}", f"What is {i} + 1?", (str(i + 1),), "math")) for i in range(n)]
-
-
-@contextlib.contextmanager
-def gc_clock():
-    """Yields ``[CPU seconds, collections, CPU seconds per generation]`` of Python's garbage collector in this process
-    (in whichever thread it ran) while inside."""
-    total = [0.0, 0, [0.0, 0.0, 0.0]]
-    started: dict = {}
-
-    def on_gc(phase: str, info: dict) -> None:
-        if phase == "start":
-            started[threading.get_ident()] = time.thread_time()
-        elif threading.get_ident() in started:
-            dt = time.thread_time() - started.pop(threading.get_ident())
-            total[0] += dt
-            total[1] += 1
-            total[2][info["generation"]] += dt
-
-    gc.callbacks.append(on_gc)
-    try:
-        yield total
-    finally:
-        gc.callbacks.remove(on_gc)
 
 
 def timed_step(fleet: RolloutFleet, groups: list[tuple], group_size: int, seed: int, on_all_out=None) -> dict:

@@ -10,7 +10,11 @@ plain JSON (saved in the trainer's checkpoint). Only the driver imports it: impo
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
+import threading
+import time
 
 # How a key reported by several actors is combined (``actor_stats``' ``reduce``).
 REDUCERS = {"sum": math.fsum, "mean": lambda xs: math.fsum(xs) / len(xs), "max": max, "min": min}
@@ -104,3 +108,26 @@ class RunMetrics:
         else:
             self.logger.set_state(state["logger"])
         self._create_totals()
+
+
+@contextlib.contextmanager
+def gc_clock():
+    """Yields ``[CPU seconds, collections, CPU seconds per generation]`` of Python's garbage collector in this process
+    (on whichever thread it ran) while inside: what the driver's collections cost the benchmarks that time it."""
+    total = [0.0, 0, [0.0, 0.0, 0.0]]
+    started: dict = {}
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[threading.get_ident()] = time.thread_time()
+        elif threading.get_ident() in started:
+            seconds = time.thread_time() - started.pop(threading.get_ident())
+            total[0] += seconds
+            total[1] += 1
+            total[2][info["generation"]] += seconds
+
+    gc.callbacks.append(on_gc)
+    try:
+        yield total
+    finally:
+        gc.callbacks.remove(on_gc)

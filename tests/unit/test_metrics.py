@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import struct
 from dataclasses import replace
@@ -11,7 +12,7 @@ import pytest
 
 from rapo_ray.config import Config
 from rapo_ray.core.errors import ConfigError
-from rapo_ray.core.metrics import RunMetrics, actor_stats, merge_actor_stats
+from rapo_ray.core.metrics import RunMetrics, actor_stats, gc_clock, merge_actor_stats
 from rapo_ray.training.reporting import MetricsLog
 
 
@@ -171,3 +172,14 @@ def test_enabling_a_sink_without_its_package_is_a_config_error(monkeypatch):
         _sink_cfg(wandb=True).validate()
     with pytest.raises(ConfigError, match=r"run\.metrics_window \(0\)"):
         _sink_cfg(metrics_window=0).validate()
+
+
+def test_gc_clock_counts_the_collections_inside_it_by_generation():
+    with gc_clock() as clock:
+        gc.collect(0)
+        gc.collect()
+    seconds, collections, by_generation = clock
+    assert collections == 2 and by_generation[1] == 0.0
+    assert seconds >= 0 and seconds == sum(by_generation)
+    gc.collect()  # outside: not counted, and the callback is gone
+    assert clock[1] == 2
