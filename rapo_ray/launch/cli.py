@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+import psutil
+
 from rapo_ray.config import Config, help_text, load_config
 from rapo_ray.core.errors import ConfigError
 
@@ -56,7 +58,7 @@ def train_main(argv=None) -> int:
     from rapo_ray.launch.launcher import run
 
     try:
-        run(cfg)
+        run(cfg, process_started_at=psutil.Process().create_time())  # (its imports count into the start-up)
     except ConfigError as exc:  # bad input found after parsing (a run folder, a resume, the cluster's resources)
         print(f"error: {exc}", file=sys.stderr)
         return 2

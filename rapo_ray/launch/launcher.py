@@ -28,6 +28,7 @@ from rapo_ray.core.devices import machine_record
 from rapo_ray.core.errors import ConfigError, LearnerLost
 from rapo_ray.core.files import write_json_atomic
 from rapo_ray.core.local_ray import init_local_ray
+from rapo_ray.core.metrics import StageTimer
 from rapo_ray.core.net import free_port
 from rapo_ray.launch import ray_reaper
 from rapo_ray.launch.plan import fit_cpus, resource_needs
@@ -42,6 +43,7 @@ from rapo_ray.training import eval_cache
 from rapo_ray.training.checkpoints import newest_complete
 from rapo_ray.training.reporting import MetricsLog, Progress, before_after_table, fmt_eval, paired_changes, plot_curves
 from rapo_ray.training.trainer import Trainer, rl_task_pool
+from rapo_ray.workers.learner import LearnerGroup
 
 # ---------------------------------------------------------------- Ray start-up
 
@@ -292,11 +294,14 @@ class RetrievalService:
                 raise RuntimeError(f"the Serve app {self.app!r} failed to deploy: {app.message}{_failed_why(app)}")
             time.sleep(poll_s)
 
-    def close(self) -> None:
+    def close(self, local_ray_ending: bool = False) -> None:
+        """``local_ray_ending``: the caller shuts down the local Ray it started next, which ends Serve with it; a
+        graceful ``serve.shutdown`` first only adds its ~2.5 s to the end of every run."""
         from ray import serve
 
         if self._serve_started:
-            serve.shutdown()
+            if not local_ray_ending:
+                serve.shutdown()
         elif self.app is not None:
             serve.delete(self.app)
         if self._server is not None:
@@ -346,8 +351,13 @@ def evaluate_starting_policy(cfg: Config, trainer, model_dir: Path, log=print) -
 # ---------------------------------------------------------------- the launcher: the whole topology
 
 
-def run(cfg: Config, log=print) -> dict:
-    """Warm start -> buffer -> retrieval service -> learners + fleet -> train -> evaluate. Returns the summary."""
+def run(cfg: Config, log=print, process_started_at: float | None = None) -> dict:
+    """Warm start -> buffer -> retrieval service -> learners + fleet -> train -> evaluate. Returns the summary.
+    ``process_started_at``: the process's start (epoch seconds), when the caller is the job's own process: its
+    imports then count into the start-up's timing."""
+    startup = StageTimer()  # wall seconds per start-up stage: logged before the first step, kept in summary.json
+    if process_started_at is not None:
+        startup.add("python and imports", time.time() - process_started_at)
     set_torch_threads(1)
     quiet_driver()
     # the run directory, a resume's config and its checkpoint are checked before any process starts (and a
@@ -357,27 +367,39 @@ def run(cfg: Config, log=print) -> dict:
     # this run connects to Ray (or starts it) and so disconnects at its end, in the main thread, also as a submitted
     # job's driver on a cluster (whose Ray stays up); a caller that had Ray initialized keeps it
     owns_ray = not ray.is_initialized()
-    init_ray(cfg)
     try:
-        check_resources(cfg, log)
+        with startup.stage("ray"):
+            started_local_ray = init_ray(cfg)
+            check_resources(cfg, log)
     except BaseException:
-        if owns_ray:
+        if owns_ray and ray.is_initialized():
             ray.shutdown()
         raise
     if not cfg.checkpoint.resume:
         run_dir.create(cfg)
     log(f"run directory: {run_dir.path}")
-    retrieval = trainer = metrics = None
+    retrieval = trainer = metrics = learners = None
     frozen = False
     try:
         metrics = MetricsLog(run_dir.path, cfg, log)
         # 1. starting policy, 2. RAPO's buffer behind Serve, 3. learners + fleet + weight sync
-        model_dir = starting_policy(cfg, log)
+        with startup.stage("starting policy"):
+            model_dir = starting_policy(cfg, log)
         log(f"starting policy: {model_dir}")
         tasks = rl_task_pool(cfg)  # (RL questions per family, held-out tasks): the buffer's and the trainer's
-        retrieval = RetrievalService(cfg, model_dir, buffer_questions(cfg, tasks[0]), log)
-        trainer = Trainer(cfg, model_dir, run_dir.checkpoints, retrieval.app, tasks)  # while the replica starts
-        retrieval.wait_ready()
+        # the learner ranks start (imports, model, optimizer: a core's worth of work for several seconds each)
+        # while the buffer is checked and Serve deploys, which leave the other cores idle
+        with startup.stage("learner group start"):
+            learners = LearnerGroup(cfg, model_dir, wait=False)
+        with startup.stage("buffer and retrieval deploy"):
+            retrieval = RetrievalService(cfg, model_dir, buffer_questions(cfg, tasks[0]), log)
+        # the rollout fleet starts while the replica does
+        trainer = Trainer(cfg, model_dir, run_dir.checkpoints, retrieval.app, tasks, learners)
+        learners = None  # the trainer's now
+        for stage, seconds in trainer.startup.seconds.items():
+            startup.add(stage, seconds)
+        with startup.stage("retrieval replicas ready"):
+            retrieval.wait_ready()
         before_path = run_dir.path / "eval_before.json"
         if resume is not None:
             trainer.load(resume)
@@ -386,10 +408,13 @@ def run(cfg: Config, log=print) -> dict:
             before_problems = saved.pop("problems", {})
             before = saved
         else:
-            trainer.sync_weights()
-            before, before_problems = evaluate_starting_policy(cfg, trainer, model_dir, log)
+            with startup.stage("first weight push"):
+                trainer.sync_weights()
+            with startup.stage("held-out before"):
+                before, before_problems = evaluate_starting_policy(cfg, trainer, model_dir, log)
             write_json_atomic(before_path, {**before, "problems": before_problems})
             log("held-out before training: " + fmt_eval(before))
+        log(startup.line("start-up"))
         # 4. train; a lost learner (node loss) rebuilds the learners and fleet from the last checkpoint.
         # What start-up made lives for the run: frozen, the garbage collector's full passes (one every few steps, as
         # every worker's trajectories arrive) no longer walk it
@@ -450,6 +475,7 @@ def run(cfg: Config, log=print) -> dict:
             "after": after,
             "paired_change": change,
             "mean_step_s": metrics.mean("step_s"),
+            "startup_s": {stage: round(s, 2) for stage, s in startup.seconds.items()},
             "machine": machine_record(),
         }
         write_json_atomic(run_dir.path / "summary.json", summary)  # its presence marks a finished run
@@ -462,8 +488,10 @@ def run(cfg: Config, log=print) -> dict:
             gc.unfreeze()
         if trainer is not None:
             trainer.shutdown()
+        elif learners is not None:  # started, but the run stopped before its trainer took them
+            learners.shutdown(graceful=False)
         if retrieval is not None:
-            retrieval.close()
+            retrieval.close(local_ray_ending=owns_ray and started_local_ray)
         if metrics is not None:
             metrics.close()
         if owns_ray:

@@ -18,6 +18,7 @@ import torch
 from rapo_ray.core.errors import ModelLoadError
 from rapo_ray.envs import tasks
 from rapo_ray.model.gguf import ensure_converted, packaged_gguf
+from rapo_ray.model.light_imports import hide_sklearn_from_transformers
 from rapo_ray.types import protocol
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -80,6 +81,7 @@ def load_tokenizer(path: str | Path):
 
 def build_model(model_cfg, vocab_size: int, bos_id: int, eos_id: int, pad_id: int):
     """A randomly initialised Qwen2ForCausalLM of the configured size."""
+    hide_sklearn_from_transformers()
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     if vocab_size <= 0:
@@ -117,6 +119,7 @@ def has_weights(path: str | Path) -> bool:
 
 def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu"):
     """Load an HF causal LM folder; clear errors for a missing or corrupt folder."""
+    hide_sklearn_from_transformers()
     from transformers import AutoModelForCausalLM
 
     p = Path(path)
@@ -136,19 +139,24 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu"):
 
 
 def pad_token_id(path: str | Path) -> int:
-    """The id the learner pads rows with: the model config's ``pad_token_id``, else 0 (padding is never attended)."""
-    from transformers import AutoConfig
-
+    """The id the learner pads rows with: the model config's ``pad_token_id``, else 0 (padding is never attended).
+    Read from config.json itself: transformers' ``AutoConfig`` costs the driver ~4 s of imports at start-up."""
     p = Path(path)
     if not (p / "config.json").is_file():
         raise ModelLoadError(f"model folder {p} has no config.json")
-    return AutoConfig.from_pretrained(str(p)).pad_token_id or 0
+    try:
+        config = json.loads((p / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {p / 'config.json'}: {type(exc).__name__}: {exc}") from exc
+    pad = config.get("pad_token_id", (config.get("text_config") or {}).get("pad_token_id"))
+    return int(pad or 0)
 
 
 def model_from_state_dict(path: str | Path, state_dict: dict, dtype: str = "float32"):
     """The HF model of folder ``path``'s architecture holding ``state_dict`` (cast to ``dtype``), built on the meta
     device and given the tensors: no copy of the folder's own weights is loaded (at the 0.5B shape, 2 GB less at
     every checkpoint write)."""
+    hide_sklearn_from_transformers()
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if dtype not in _DTYPES:

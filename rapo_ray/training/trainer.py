@@ -32,7 +32,7 @@ from rapo_ray.agent.retriever import steps_of
 from rapo_ray.algos.registry import get_algorithm
 from rapo_ray.config import Config
 from rapo_ray.core.errors import WORKER_DIED
-from rapo_ray.core.metrics import RunMetrics
+from rapo_ray.core.metrics import RunMetrics, StageTimer
 from rapo_ray.envs.loaders import source_name
 from rapo_ray.envs.suite import family_of, task_difficulty, task_splits
 from rapo_ray.model.factory import load_tokenizer
@@ -75,8 +75,10 @@ class Trainer:
         checkpoints_dir: Path,
         retrieval_app: str | None,
         tasks: tuple[dict, dict] | None = None,
+        learners: LearnerGroup | None = None,
     ):
-        """``tasks``: ``rl_task_pool(cfg)`` when the caller has it already (computed here otherwise)."""
+        """``tasks``: ``rl_task_pool(cfg)`` when the caller has it already (computed here otherwise). ``learners``: a
+        group already starting (``LearnerGroup(..., wait=False)``) for this config and model; built here otherwise."""
         self.cfg, self.model_dir, self.checkpoints_dir = cfg, Path(model_dir), Path(checkpoints_dir)
         self.algorithm = get_algorithm(cfg.algo.name)
         self.retrieval_app = retrieval_app
@@ -94,9 +96,23 @@ class Trainer:
         )
         self.run_metrics = RunMetrics(cfg.run.metrics_window)  # moving means and lifetime totals across steps
         self.rng = random.Random(cfg.trainer.seed)
-        self.learners = LearnerGroup(cfg, model_dir)
+        # the learner ranks and the rollout workers start at once (a process's imports and model each); the
+        # fleet's constructor returns when its workers are ready, then the learners are waited for
+        self.startup = StageTimer()  # what each part's start took, or was still waited for (the launcher logs it)
+        self.learners = learners if learners is not None else LearnerGroup(cfg, model_dir, wait=False)
         self.sync = WeightSync(cfg.sync.bucket_mb, cfg.sync.timeout_s, cfg.sync.wire_dtype(cfg.model.dtype))
-        self.fleet = RolloutFleet(model_dir, cfg, retrieval_app, on_new_workers=self._bring_up_to_date)
+        self.fleet: RolloutFleet | None = None
+        try:
+            with self.startup.stage("rollout fleet"):
+                self.fleet = RolloutFleet(model_dir, cfg, retrieval_app, on_new_workers=self._bring_up_to_date)
+            with self.startup.stage("learner group"):
+                self.learners.wait_ready()
+        except BaseException:  # nothing started here outlives a failed start
+            if self.fleet is not None:
+                self.fleet.shutdown()
+            if learners is None:  # (a caller's group is the caller's to stop)
+                self.learners.shutdown(graceful=False)
+            raise
 
     # ------------------------------------------------------------ one RL step, top to bottom
 

@@ -380,7 +380,9 @@ class LearnerGroup:
     and puts the results back in row order, so its caller never sees ranks. A dead rank raises
     ``LearnerLost`` from any call."""
 
-    def __init__(self, cfg: Config, model_dir):
+    def __init__(self, cfg: Config, model_dir, wait: bool = True):
+        """``wait=False``: return once the ranks are placed and starting; ``wait_ready`` then waits for their models
+        (the launcher starts the learners this way while the retrieval service deploys)."""
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -409,7 +411,14 @@ class LearnerGroup:
             ).remote(r, lc.world_size, port, str(model_dir), cfg_dict, lc.backend)
             for r in range(lc.world_size)
         ]
-        _gather([w.ready.remote() for w in self.workers])
+        self._starting = [w.ready.remote() for w in self.workers]
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait until every rank has built its model, optimizer and process group (raises ``LearnerLost``)."""
+        starting, self._starting = self._starting, []
+        _gather(starting)
 
     @property
     def world_size(self) -> int:

@@ -65,8 +65,15 @@ def test_end_to_end_rapo_and_resume(ray_session, warm_cfg):
         # on-policy insertion on, with every on-policy trajectory that called a tool qualifying
         retrieval=replace(warm_cfg.retrieval, insert_on_policy=True, insert_min_reward=-1.0),
     )
-    summary = run(cfg, log=lambda *_: None)
+    said = []
+    summary = run(cfg, log=said.append)
     rd = summary["run_dir"]
+    # start-up by stage, in the console and in summary.json (a caller's own Ray: no process age, no "ray" wait)
+    assert list(summary["startup_s"]) == [
+        *("ray", "starting policy", "learner group start", "buffer and retrieval deploy", "rollout fleet"),
+        *("learner group", "retrieval replicas ready", "first weight push", "held-out before"),
+    ]
+    assert sum(line.startswith("start-up ") for line in said) == 1
     metrics = [json.loads(x) for x in open(f"{rd}/metrics.jsonl")]
     steps = [m for m in metrics if "reward" in m]
     assert len(steps) == 2 and all(m["rollout_tokens"] > 0 and m["learner_tokens_per_s"] > 0 for m in steps)
@@ -134,6 +141,28 @@ def test_resume_with_incompatible_config_names_fields(ray_session, warm_cfg, tmp
         make_run_dir(replace(warm_cfg, run=replace(warm_cfg.run, output_dir=str(tmp_path), name="r")))
     with pytest.raises(ConfigError, match="not a run directory"):
         make_run_dir(replace(warm_cfg, checkpoint=replace(warm_cfg.checkpoint, resume=str(tmp_path / "nowhere"))))
+
+
+def test_a_run_failing_to_deploy_retrieval_stops_the_learners_it_started(ray_session, warm_cfg, tmp_path):
+    """The learner ranks start before the buffer and Serve (launcher.run); a failure there must not leave them."""
+    from dataclasses import replace
+
+    import ray
+
+    from rapo_ray.launch.launcher import run
+
+    def placed_groups() -> set:  # the learners' placement group holds their CPUs while they live
+        return {pg for pg, t in ray.util.placement_group_table().items() if t["state"] == "CREATED"}
+
+    before = placed_groups()
+    cfg = replace(
+        warm_cfg,
+        run=replace(warm_cfg.run, output_dir=str(tmp_path), name="no-milvus"),
+        retrieval=replace(warm_cfg.retrieval, milvus_uri="http://127.0.0.1:9"),  # nothing listens on port 9
+    )
+    with pytest.raises(Exception, match="127.0.0.1:9"):
+        run(cfg, log=lambda *_: None)
+    assert placed_groups() == before
 
 
 def test_ray_data_advantages_equal_the_driver(ray_session):

@@ -12,7 +12,7 @@ import pytest
 
 from rapo_ray.config import Config
 from rapo_ray.core.errors import ConfigError
-from rapo_ray.core.metrics import RunMetrics, actor_stats, gc_clock, merge_actor_stats
+from rapo_ray.core.metrics import RunMetrics, StageTimer, actor_stats, gc_clock, merge_actor_stats
 from rapo_ray.training.reporting import MetricsLog
 
 
@@ -183,3 +183,19 @@ def test_gc_clock_counts_the_collections_inside_it_by_generation():
     assert seconds >= 0 and seconds == sum(by_generation)
     gc.collect()  # outside: not counted, and the callback is gone
     assert clock[1] == 2
+
+
+def test_stage_timer_adds_a_stage_entered_twice_and_keeps_first_order():
+    timer = StageTimer()
+    with timer.stage("ray"):
+        pass
+    timer.add("learners", 2.0)
+    with pytest.raises(RuntimeError):
+        with timer.stage("buffer"):
+            raise RuntimeError("a failed stage still counts")
+    timer.add("ray", 1.25)
+    assert list(timer.seconds) == ["ray", "learners", "buffer"]
+    assert 1.25 <= timer.seconds["ray"] < 1.5 and timer.seconds["learners"] == 2.0 and timer.seconds["buffer"] >= 0
+    line = timer.line("start-up")
+    assert line.startswith(f"start-up {sum(timer.seconds.values()):.1f} s: ray 1.")
+    assert "learners 2.0 s, buffer 0.0 s" in line

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from rapo_ray.core.errors import ModelLoadError
 from rapo_ray.envs import tasks
-from rapo_ray.model.factory import load_model, load_tokenizer, save_model
+from rapo_ray.model.factory import load_model, load_tokenizer, pad_token_id, save_model
 from rapo_ray.types import protocol
 
 
@@ -111,3 +116,35 @@ def test_a_missing_truncated_or_corrupt_gguf_gets_a_clear_error(tmp_path, monkey
         load_config(overrides=["model.preset=llama-70b"])
     with pytest.raises(ConfigError, match="cold_start.examples is for a real model"):
         load_config(overrides=["cold_start.examples=10"])
+
+
+def test_pad_token_id_reads_config_json_as_transformers_does(tiny_model_dir, tmp_path):
+    from transformers import AutoConfig
+
+    assert pad_token_id(tiny_model_dir) == (AutoConfig.from_pretrained(str(tiny_model_dir)).pad_token_id or 0)
+    cases = {"top": ({"pad_token_id": 2}, 2), "null": ({"pad_token_id": None}, 0), "none": ({}, 0)}
+    cases["nested"] = ({"text_config": {"pad_token_id": 7}}, 7)
+    for name, (config, expected) in cases.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        assert pad_token_id(tmp_path / name) == expected, name
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="cannot read .*broken/config.json"):
+        pad_token_id(tmp_path / "broken")
+    with pytest.raises(ModelLoadError, match="has no config.json"):
+        pad_token_id(tmp_path)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="scikit-learn is not installed here")
+def test_loading_a_model_does_not_import_scikit_learn(tiny_model_dir):
+    """transformers' generation module would import scikit-learn (and SciPy) in every model-loading process."""
+    code = (
+        "import sys; from rapo_ray.model.factory import load_model; "
+        f"m = load_model({str(tiny_model_dir)!r}); "
+        "import transformers.generation.candidate_generator as cg; "
+        "print('sklearn' in sys.modules, cg.is_sklearn_available())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "False"]

@@ -185,9 +185,10 @@ def test_large_pieces_travel_alone_and_small_ones_together():
 
 
 def test_a_sender_failing_mid_push_frees_every_worker_at_once():
-    """A failure on one sender between buckets must not leave a worker waiting for the timeout (120 s here): the
-    group is closed, each worker raises and returns nothing."""
-    store, groups = _group(4, timeout_s=120)
+    """A failure on one sender between buckets must not leave a worker waiting for the timeout (600 s here): the
+    group is closed, each worker raises and returns nothing. (Alone this takes under 1 s; the bound is loose because
+    once, late in a full suite on the busy 2-core box, it took over 30 s.)"""
+    store, groups = _group(4, timeout_s=600)
     weights = {"a": torch.ones(10), "b": torch.ones(10)}
 
     def fail(rank, name):
@@ -196,6 +197,6 @@ def test_a_sender_failing_mid_push_frees_every_worker_at_once():
 
     t0 = time.perf_counter()
     results, errors = _push(groups, 2, 1, weights, {k: shard_rows(10, 2) for k in weights}, 40, fail)
-    assert time.perf_counter() - t0 < 30
+    assert time.perf_counter() - t0 < 120  # (and _push fails on a member still waiting after 60 s)
     failed = dict(errors)
     assert isinstance(failed.get(1), OSError) and 2 in failed and 3 in failed  # both workers freed, nothing loaded
