@@ -31,7 +31,7 @@ from rapo_ray.core.local_ray import init_local_ray
 from rapo_ray.core.metrics import StageTimer
 from rapo_ray.core.net import free_port
 from rapo_ray.launch import ray_reaper
-from rapo_ray.launch.plan import fit_cpus, resource_needs
+from rapo_ray.launch.plan import fit_cpus, learners_start_before_buffer, resource_needs
 from rapo_ray.model.factory import set_torch_threads
 from rapo_ray.pipelines.buffer import buffer_questions, build_buffer, manifest_path, with_buffer_collection
 from rapo_ray.pipelines.cold_start import built_cold_start, cold_start
@@ -388,9 +388,11 @@ def run(cfg: Config, log=print, process_started_at: float | None = None) -> dict
         log(f"starting policy: {model_dir}")
         tasks = rl_task_pool(cfg)  # (RL questions per family, held-out tasks): the buffer's and the trainer's
         # the learner ranks start (imports, model, optimizer: a core's worth of work for several seconds each)
-        # while the buffer is checked and Serve deploys, which leave the other cores idle
-        with startup.stage("learner group start"):
-            learners = LearnerGroup(cfg, model_dir, wait=False)
+        # while the buffer is checked and Serve deploys, which leave the other cores idle; where a build of the buffer
+        # would not fit beside them, the trainer starts them after it
+        if learners_start_before_buffer(cfg, ray.available_resources().get("CPU", 0.0)):
+            with startup.stage("learner group start"):
+                learners = LearnerGroup(cfg, model_dir, wait=False)
         with startup.stage("buffer and retrieval deploy"):
             retrieval = RetrievalService(cfg, model_dir, buffer_questions(cfg, tasks[0]), log)
         # the rollout fleet starts while the replica does

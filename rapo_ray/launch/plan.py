@@ -10,6 +10,7 @@ from pathlib import Path
 from rapo_ray.algos.registry import get_algorithm
 from rapo_ray.config import Config
 from rapo_ray.core.errors import ConfigError
+from rapo_ray.pipelines.buffer import BUILD_CPUS
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,16 @@ def resource_needs(cfg: Config) -> ResourceNeeds:
         + ro.max_workers * rc.gpus_per_rollout_worker
         + retrieval_gpu * cfg.retrieval.max_replicas,
     )
+
+
+def learners_start_before_buffer(cfg: Config, free_cpus: float) -> bool:
+    """Whether the learner ranks may start before RAPO's buffer is built (the launcher's overlap): only where the
+    build's actors (``BUILD_CPUS``) still fit beside them in ``free_cpus``; on a cluster sized for the run alone
+    they may not, and the build would wait for CPUs that the learners hold. Always, for an algorithm without a
+    buffer."""
+    if not get_algorithm(cfg.algo.name).rollout(cfg.algo).hybrid_slots:
+        return True
+    return free_cpus - resource_needs(cfg).learner_cpus >= BUILD_CPUS
 
 
 def fit_cpus(cfg: Config, cluster_cpus: float) -> str | None:

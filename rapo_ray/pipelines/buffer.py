@@ -51,6 +51,12 @@ _STEP_COLUMNS = ("key", "value", "value_ids", "reward", "question_id", "step_ind
 _TEXT_COLUMNS = ("key", "value", "value_ids", "question_id", "source", "traj_id")
 
 
+# The build streams through two actors at once, a sampler's and an embedder's, each this many CPUs: what the cluster
+# must have free beside anything else already placed (the launcher starts the learner ranks before it where it can).
+BUILD_ACTOR_CPUS = 1
+BUILD_CPUS = 2 * BUILD_ACTOR_CPUS
+
+
 def buffer_source(cfg) -> str:
     """``retrieval.buffer_source`` with ``auto`` resolved: the scripted expert for the bundled model, the paper's
     recipe (samples of the starting policy) for a real one."""
@@ -369,7 +375,7 @@ def build_buffer(cfg, model_dir: str, uri: str, tasks: list, manifest: Path, log
             fn_constructor_args=(model_dir, to_dict(cfg), cfg.trainer.sft_seed),
             batch_size=cfg.retrieval.buffer_sampler_batch if source == "policy" else 32,
             compute=ray.data.ActorPoolStrategy(size=1),
-            num_cpus=1,
+            num_cpus=BUILD_ACTOR_CPUS,
             batch_format="numpy",
         )
         ds = ds.map_batches(
@@ -382,7 +388,7 @@ def build_buffer(cfg, model_dir: str, uri: str, tasks: list, manifest: Path, log
             ),
             batch_size=256,
             compute=ray.data.ActorPoolStrategy(size=1),
-            num_cpus=1,
+            num_cpus=BUILD_ACTOR_CPUS,
             batch_format="numpy",
         )
         trajectories: set[str] = set()

@@ -110,6 +110,7 @@ class Trainer:
         except BaseException:  # nothing started here outlives a failed start
             if self.fleet is not None:
                 self.fleet.shutdown()
+            self.sync.close()
             if learners is None:  # (a caller's group is the caller's to stop)
                 self.learners.shutdown(graceful=False)
             raise

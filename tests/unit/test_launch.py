@@ -28,6 +28,18 @@ def test_a_two_cpu_cluster_gets_cpu_shares_that_fit_or_the_overrides_that_would(
         fit_cpus(load_config(), 0.01)
 
 
+def test_the_learners_start_before_the_buffer_only_where_its_build_still_fits():
+    from rapo_ray.launch.plan import learners_start_before_buffer
+    from rapo_ray.pipelines.buffer import BUILD_CPUS
+
+    rapo = load_config()  # 2 learner ranks at 1 CPU each; the build's two actors take 1 CPU each
+    assert BUILD_CPUS == 2
+    assert learners_start_before_buffer(rapo, 4.0) and not learners_start_before_buffer(rapo, 3.5)
+    rapo.resources.cpus_per_learner = 0.5  # a 2-CPU cluster's fitted shares (fit_cpus)
+    assert learners_start_before_buffer(rapo, 3.0) and not learners_start_before_buffer(rapo, 2.0)
+    assert learners_start_before_buffer(load_config(overrides=["algo.name=grpo"]), 0.0)  # no buffer to build
+
+
 def test_a_submitted_jobs_own_env_vars_win_over_the_drivers(monkeypatch):
     """``ray job submit --runtime-env cluster/runtime_env.yaml`` sets OMP_NUM_THREADS too; Ray refuses to merge a key
     that the job and ``ray.init`` both set, so the driver leaves the job's keys out of its own."""

@@ -3,8 +3,11 @@ group in threads."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +28,8 @@ from rapo_ray.workers.sync import (
     shard_rows,
     unpack,
 )
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _group(world, timeout_s=30.0):
@@ -184,10 +189,9 @@ def test_large_pieces_travel_alone_and_small_ones_together():
     assert messages(whole, 0, 16) == [segment(whole, 0)] and messages(whole, 1, 16) == []
 
 
-def test_a_sender_failing_mid_push_frees_every_worker_at_once():
-    """A failure on one sender between buckets must not leave a worker waiting for the timeout (600 s here): the
-    group is closed, each worker raises and returns nothing. (Alone this takes under 1 s; the bound is loose because
-    once, late in a full suite on the busy 2-core box, it took over 30 s.)"""
+def sender_failing_mid_push() -> float:
+    """Four members in this process; sender 1 fails between buckets. Every member must return at once: the failed
+    sender raises, both workers raise and load nothing. Returns the push's seconds."""
     store, groups = _group(4, timeout_s=600)
     weights = {"a": torch.ones(10), "b": torch.ones(10)}
 
@@ -197,6 +201,17 @@ def test_a_sender_failing_mid_push_frees_every_worker_at_once():
 
     t0 = time.perf_counter()
     results, errors = _push(groups, 2, 1, weights, {k: shard_rows(10, 2) for k in weights}, 40, fail)
-    assert time.perf_counter() - t0 < 120  # (and _push fails on a member still waiting after 60 s)
     failed = dict(errors)
     assert isinstance(failed.get(1), OSError) and 2 in failed and 3 in failed  # both workers freed, nothing loaded
+    return time.perf_counter() - t0
+
+
+def test_a_sender_failing_mid_push_frees_every_worker_at_once():
+    """A failure on one sender between buckets must not leave a worker waiting for the timeout (600 s here).
+    Run in a fresh process: late in a full suite (after the Ray tests, in the same process) the failed sender once
+    hung in gloo's ProcessGroupGloo destructor, its device loop spinning while the destructor joined it with the GIL
+    held, which stopped the whole suite (docs/RESULTS.md, Known limits). Alone it takes under 1 s."""
+    code = "from tests.unit.test_sync import sender_failing_mid_push as f; print(f'{f():.2f}')"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert float(proc.stdout.split()[-1]) < 120  # (and _push fails on a member still waiting after 60 s)
