@@ -296,7 +296,7 @@ class RetrievalService:
 
     def close(self, local_ray_ending: bool = False) -> None:
         """``local_ray_ending``: the caller shuts down the local Ray it started next, which ends Serve with it; a
-        graceful ``serve.shutdown`` first only adds its ~2.5 s to the end of every run."""
+        graceful ``serve.shutdown`` first would only add its wait to the end of every run."""
         from ray import serve
 
         if self._serve_started:

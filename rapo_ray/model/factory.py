@@ -140,7 +140,7 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu"):
 
 def pad_token_id(path: str | Path) -> int:
     """The id the learner pads rows with: the model config's ``pad_token_id``, else 0 (padding is never attended).
-    Read from config.json itself: transformers' ``AutoConfig`` costs the driver ~4 s of imports at start-up."""
+    Read from config.json itself: transformers' ``AutoConfig`` would cost the driver seconds of imports at start-up."""
     p = Path(path)
     if not (p / "config.json").is_file():
         raise ModelLoadError(f"model folder {p} has no config.json")

@@ -3,8 +3,8 @@
 transformers' generation module (imported by every ``AutoModel*`` class and every causal LM) imports scikit-learn,
 and with it SciPy, whenever scikit-learn is installed (it is here: sentence-transformers, the packaged MiniLM's
 dependency, needs it). The import is only for assisted decoding's confidence threshold, which nothing here uses, and
-it costs every learner rank, rollout worker and retrieval replica 2-4 s of CPU at start, on the cores the run is
-starting on (docs/RESULTS.md, Performance by component)."""
+it costs every learner rank, rollout worker and retrieval replica CPU at start, on the cores the run is starting on
+(docs/RESULTS.md, Performance by component)."""
 
 from __future__ import annotations
 
