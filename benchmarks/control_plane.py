@@ -1,7 +1,7 @@
 """The control plane at 100 / 300 / 1,000 rollout engines, simulated (issue #40).
 
     python benchmarks/control_plane.py [--engines 100,300,1000] [--hosts 20] [--nodes 4] [--steps 3]
-        [--decode-s 2] [--profile 25] [--out benchmarks/results/control_plane.json]
+        [--decode-s 2] [--relay-min-workers N] [--profile 25] [--out benchmarks/results/control_plane.json]
     python benchmarks/control_plane.py --parts join    # gloo group formation alone: eager mesh vs lazy
 
 Part ``fleet``: stub engines packed many to a process (``EngineHost``, a threaded actor: one thread per engine, so
@@ -14,7 +14,8 @@ lengths sampled in [32, 256] as ``rollout.engine=simulated`` does, a 128-token p
   scheduling, dispatch, collection and deserialization: the control plane's cost), and of them
   ``driver_main_thread_cpu_s``, the thread that runs ``run_step`` (the rest is Ray's own threads), and ``gc_s``,
   Python's garbage collector's (in any thread; ``gc_s_by_generation``); ``dispatch_s``, until every group was handed
-  out; ``overhead_s`` = wall - decode_s;
+  out; ``overhead_s`` = wall - decode_s; ``relays_cpu_s``, the CPU of the per-node relays when the fleet uses them
+  (``rollout.relay_min_workers``, ``--relay-min-workers``; on a cluster they run on the engines' nodes);
 - ``collection``: the driver CPU (and wall) to collect one round of rollout calls, one per engine with the real
   payload, by each way the fleet has collected them, on the same engines, twice in turn: ``wait_each`` (``ray.wait``
   for one ref over every call in flight, then ``ray.get``), ``callbacks_get`` (completions queued by a callback, one
@@ -24,8 +25,9 @@ lengths sampled in [32, 256] as ``rollout.engine=simulated`` does, a 128-token p
 - ``kill``: a step in which the engines of 10% of the hosts die as soon as every group is out: groups re-queued,
   engines replaced, every group exactly once, the step's wall and driver CPU;
 - ``sync``: the weight-sync group over the engines + 1 stub learner: forming it (``join_s``), a push of a
-  ``--model-kb`` model, first (connections made) and second; after the kill step, ``push_weights`` (ping, re-form,
-  push) and the ping of every engine alone (``ping_all_s``);
+  ``--model-kb`` model, first (connections made) and second (its wall, and ``push_driver_cpu_s``: the driver's CPU,
+  one receive call per engine); after the kill step, ``push_weights`` (ping, re-form, push) and the ping of every
+  engine alone (``ping_all_s``);
 - ``driver_rss_mb``; per step ``heap_objects``, the objects the collector walks (start-up's are frozen first, as the
   launcher does; ``--no-gc-freeze`` leaves them);
 - with ``--profile TOP``: one more step under cProfile, its main thread's TOP functions by own and cumulative time.
@@ -48,6 +50,7 @@ import datetime  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
+import pickle  # noqa: E402
 import pstats  # noqa: E402
 import random  # noqa: E402
 import statistics  # noqa: E402
@@ -108,7 +111,8 @@ class EngineHost:
         self.lock = threading.Lock()
 
     def ready(self, wid: int) -> dict:
-        return {"worker_id": wid, "engine": "packed", "version": self.version[wid]}
+        node = ray.get_runtime_context().get_node_id()
+        return {"worker_id": wid, "engine": "packed", "version": self.version[wid], "node_id": node}
 
     def rollout(self, wid: int, groups: list[tuple], group_size: int, seed: int, evaluation: bool = False) -> dict:
         rng = random.Random(seed)
@@ -124,6 +128,9 @@ class EngineHost:
             "worker_id": wid,
             "stats": actor_stats(timings, {"slowest_chunk_s": "max"}),
         }
+
+    def rollout_serialized(self, wid: int, *args) -> bytes:
+        return pickle.dumps(self.rollout(wid, *args), protocol=pickle.HIGHEST_PROTOCOL)
 
     def close(self, wid: int) -> bool:
         group = self.groups.pop(wid, None)
@@ -166,7 +173,7 @@ class PackedEngine:
     def __init__(self, host, wid: int):
         self.host, self.wid = host, wid
         self.member_key = f"{host._actor_id.hex()}/{wid}"
-        for method in ("ready", "rollout", "close", "join_weight_sync", "receive_weights"):
+        for method in ("ready", "rollout", "rollout_serialized", "close", "join_weight_sync", "receive_weights"):
             setattr(self, method, _Call(host, method, wid))
 
 
@@ -176,7 +183,10 @@ class PackedSpawner:
 
     def __init__(self, per_host: int, decode_s: float, resources: dict | None = None):
         self.per_host, self.decode_s = per_host, decode_s
-        self.host_cls = ray.remote(num_cpus=0, resources=resources, max_restarts=0)(EngineHost)
+        # spread over the fake nodes, as engines on a cluster are (Ray would pack them all on the first one)
+        self.host_cls = ray.remote(num_cpus=0, resources=resources, max_restarts=0, scheduling_strategy="SPREAD")(
+            EngineHost
+        )
         self.hosts: list = []
         self.alive: dict = {}  # host -> its engines not killed yet
 
@@ -215,8 +225,14 @@ def tasks(n: int) -> list[tuple]:
     return [(f"g{i}", Task(f"q{i}", f"What is {i} + 1?", (str(i + 1),), "math")) for i in range(n)]
 
 
+def relays_cpu_s(fleet: RolloutFleet) -> float:
+    """The CPU seconds the fleet's relay processes have used so far (0 without relays)."""
+    return sum(ray.get([r.__ray_call__.remote(lambda relay: time.process_time()) for r in fleet.relays.values()]))
+
+
 def timed_step(fleet: RolloutFleet, groups: list[tuple], group_size: int, seed: int, on_all_out=None) -> dict:
-    """One ``run_step``: wall, driver CPU, time to hand out every group of the first round, its stats."""
+    """One ``run_step``: wall, driver CPU, time to hand out every group of the first round, its stats, and the CPU of
+    the relays (``relays_cpu_s``: on a cluster they run on the engines' nodes, not the driver's)."""
     first_round = min(len(groups), len(fleet.workers))
     dispatched = []
 
@@ -225,10 +241,12 @@ def timed_step(fleet: RolloutFleet, groups: list[tuple], group_size: int, seed: 
         if len(dispatched) == first_round and on_all_out:
             on_all_out()
 
+    relays0 = relays_cpu_s(fleet)
     cpu0, main0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
     with gc_clock() as gc_s:
         batch, stats = fleet.run_step(groups, group_size, seed=seed, on_dispatch=on_dispatch)
     wall, cpu, main_cpu = time.perf_counter() - t0, time.process_time() - cpu0, time.thread_time() - main0
+    relays_s = relays_cpu_s(fleet) - relays0  # (a relay started in this step counts from its start)
     ids = batch.group_ids()
     counts = {g: 0 for g, _ in groups}
     for g in ids:
@@ -246,6 +264,9 @@ def timed_step(fleet: RolloutFleet, groups: list[tuple], group_size: int, seed: 
         "each_group_once": all(c == group_size for c in counts.values()),
         "requeued_groups": stats["requeued_groups"],
         "replaced_workers": stats["replaced_workers"],
+        "relays": len(fleet.relays),
+        "lost_relays": stats["lost_relays"],
+        "relays_cpu_s": relays_s,
     }
 
 
@@ -329,6 +350,7 @@ def fleet_size(args, n: int, resources: dict | None = None) -> dict:
             f"rollout.max_workers={n}",
             "rollout.min_workers=1",
             f"resources.placement_timeout_s={args.timeout}",
+            *([f"rollout.relay_min_workers={args.relay_min_workers}"] if args.relay_min_workers is not None else []),
         ]
     )
     spawner = PackedSpawner(per_host, args.decode_s, resources)
@@ -337,6 +359,8 @@ def fleet_size(args, n: int, resources: dict | None = None) -> dict:
     if args.gc_freeze:
         gc.freeze()  # as the launcher does once its topology is up: collections skip what start-up made
     out = {"engines": n, "hosts": len(spawner.hosts), "per_host": per_host, "start_s": time.perf_counter() - t0}
+    out["relay_min_workers"] = cfg.rollout.relay_min_workers
+    out["uses_relays"] = fleet.uses_relays()
     learner = ray.remote(num_cpus=0, resources=resources)(StubLearner).remote(args.model_kb)
     sync = WeightSync(bucket_mb=32, timeout_s=args.timeout)
     groups = tasks(n)
@@ -344,13 +368,18 @@ def fleet_size(args, n: int, resources: dict | None = None) -> dict:
         t0 = time.perf_counter()
         sync.form_group([learner], fleet.handles())
         join_s = time.perf_counter() - t0
-        pushes = [sync.push([learner], fleet.handles(), v) / 1000 for v in (1, 2)]
+        pushes, push_cpu = [], []
+        for v in (1, 2):
+            cpu0 = time.process_time()
+            pushes.append(sync.push([learner], fleet.handles(), v) / 1000)
+            push_cpu.append(time.process_time() - cpu0)
         out["sync"] = {"members": n + 1, "join_s": join_s, "first_push_s": pushes[0], "push_s": pushes[1]}
+        out["sync"]["push_driver_cpu_s"] = push_cpu[1]  # the driver's calls: one receive per engine
         print(n, "engines: start", round(out["start_s"], 2), "s; sync", json.dumps(out["sync"]), flush=True)
         out["first_step"] = timed_step(fleet, groups, args.group_size, seed=0)  # (the driver's first imports)
         steps = [timed_step(fleet, groups, args.group_size, seed=s) for s in range(1, args.steps + 1)]
         out["steps"] = steps
-        for key in ("wall_s", "driver_cpu_s", "driver_main_thread_cpu_s", "dispatch_s", "gc_s"):
+        for key in ("wall_s", "driver_cpu_s", "driver_main_thread_cpu_s", "dispatch_s", "gc_s", "relays_cpu_s"):
             out[f"median_{key}"] = statistics.median(s[key] for s in steps)
         out["median_overhead_s"] = out["median_wall_s"] - args.decode_s
         print(n, "engines: steps", json.dumps({k: round(v, 3) for k, v in out.items() if "median" in k}), flush=True)
@@ -467,6 +496,12 @@ def main() -> int:
         help="leave the start-up heap to the garbage collector (the launcher freezes it; this measures the difference)",
     )
     ap.add_argument("--model-kb", type=int, default=64, help="the pushed model's size")
+    ap.add_argument(
+        "--relay-min-workers",
+        type=int,
+        default=None,
+        help="rollout.relay_min_workers for the fleet (default: the config's; 0: one call per engine, no relays)",
+    )
     ap.add_argument("--timeout", type=float, default=300.0, help="bound on starts and pushes (s)")
     ap.add_argument("--join-timeout", type=float, default=90.0, help="bound on one group formation in part join")
     ap.add_argument(

@@ -183,6 +183,12 @@ class RolloutConfig:
         "[min_workers, max_workers]); on a cluster, pending workers make the Ray autoscaler add nodes.",
     )
     groups_per_worker: int = option(2, "Backlog groups per rollout worker when rollout.autoscale is on.")
+    relay_min_workers: int = option(
+        64,
+        "From this many rollout workers on, the fleet calls them through one relay actor per node (one call per "
+        "node per round instead of one per worker: each Ray call costs the driver CPU); 0: never. A relay is a "
+        "process of its own, so small fleets call their workers directly.",
+    )
     temperature: float = option(1.0, "Sampling temperature during training rollouts.")
     top_p: float = option(1.0, "Nucleus sampling threshold.")
     max_response_tokens: int = option(
@@ -226,6 +232,7 @@ class RolloutConfig:
 
     def validate(self) -> None:
         require(self.num_workers >= 1, f"rollout.num_workers ({self.num_workers}) must be >= 1")
+        require(self.relay_min_workers >= 0, f"rollout.relay_min_workers ({self.relay_min_workers}) must be >= 0")
         require(
             self.simulated_token_ms >= 0 and 1 <= self.simulated_min_tokens <= self.simulated_max_tokens,
             f"rollout.simulated_token_ms ({self.simulated_token_ms}) must be >= 0 and 1 <= rollout.simulated_min_tokens "

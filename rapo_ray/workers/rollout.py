@@ -4,11 +4,15 @@
 Exactly-once accounting: every group of a step has an id; the fleet hands out chunks of groups, records
 which worker holds which chunk, and when a worker dies re-queues exactly the groups of its unfinished
 chunk. Results are keyed by group id, so a group can never be counted twice.
+
+A large fleet (``rollout.relay_min_workers``) makes its calls through one ``RolloutRelay`` per node: one call per
+node per round instead of one per worker, with the same per-worker outcomes.
 """
 
 from __future__ import annotations
 
 import math
+import pickle
 import time
 import zlib
 from collections import deque
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 from queue import SimpleQueue
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rapo_ray.agent.loop import AgentLoop, LoopSettings
 from rapo_ray.algos.registry import get_algorithm
@@ -30,6 +35,7 @@ from rapo_ray.model.factory import context_length, load_model_and_tokenizer, loa
 from rapo_ray.retrieval.client import HandleStepRetriever
 from rapo_ray.retrieval.search_index import search_index_for
 from rapo_ray.types.batch import TrajectoryBatch
+from rapo_ray.workers.relay import RolloutRelay
 from rapo_ray.workers.sync import SyncMember, receive_state
 
 
@@ -108,6 +114,11 @@ class RolloutWorker(SyncMember):
             "stats": actor_stats({**timings, "slowest_chunk_s": time.perf_counter() - t0}, {"slowest_chunk_s": "max"}),
         }
 
+    def rollout_serialized(self, groups: list[tuple], group_size: int, seed: int, evaluation: bool = False) -> bytes:
+        """``rollout``'s answer, pickled here: a relay forwards bytes as they are, where it would otherwise unpickle
+        and pickle again every trajectory it passes on (the fleet unpickles them once)."""
+        return pickle.dumps(self.rollout(groups, group_size, seed, evaluation), protocol=pickle.HIGHEST_PROTOCOL)
+
     # ------------------------------------------------------------ weights
 
     def receive_weights(self) -> int:
@@ -180,6 +191,8 @@ class RolloutFleet:
         self.cfg = cfg
         self.spawner = spawner or ActorSpawner(cfg, str(model_dir), retrieval_app)
         self.workers: dict[int, ray.actor.ActorHandle] = {}
+        self.node_of: dict[int, str | None] = {}  # worker id -> the node its ``ready`` reported
+        self.relays: dict[str | None, ray.actor.ActorHandle] = {}  # node -> its relay (made at first use)
         self._next_id = 0
         self.events: list[FleetEvent] = []
         self.start_timeout_s = cfg.resources.placement_timeout_s
@@ -196,16 +209,34 @@ class RolloutFleet:
         self._next_id += n
         self.workers.update(zip(ids, self.spawner.spawn(ids)))
         try:
-            ray.get([self.workers[w].ready.remote() for w in ids], timeout=self.start_timeout_s)
+            answers = ray.get([self.workers[w].ready.remote() for w in ids], timeout=self.start_timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(
                 f"{len(ids)} rollout worker(s) did not start within {self.start_timeout_s:.0f} s: the cluster cannot "
                 f"place actors needing {self.cfg.resources.cpus_per_rollout_worker:g} CPU / "
                 f"{self.cfg.resources.gpus_per_rollout_worker:g} GPU each"
             ) from None
+        joined: dict[str | None, dict[int, object]] = {}
+        for wid, answer in zip(ids, answers):
+            self.node_of[wid] = answer.get("node_id")
+            joined.setdefault(self.node_of[wid], {})[wid] = self.workers[wid]
+        # an async actor may run calls out of order: the new workers are attached before any fan-out names them
+        for node, handles in joined.items():
+            if node in self.relays:
+                try:
+                    ray.get(self.relays[node].attach.remote(handles))
+                except WORKER_DIED:  # the next fan-out to the node starts a new relay, holding every worker
+                    self.relays.pop(node)
         if bring_up and self.on_new_workers is not None:
             self.on_new_workers([self.workers[w] for w in ids])
         return ids
+
+    def _forget(self, wid: int):
+        """Take a worker out of the fleet (and out of its node's relay); returns its handle, or None."""
+        node = self.node_of.pop(wid, None)
+        if node in self.relays:
+            self.relays[node].detach.remote([wid])
+        return self.workers.pop(wid, None)
 
     def scale(self, n: int) -> None:
         n = max(self.cfg.rollout.min_workers, min(self.cfg.rollout.max_workers, n))
@@ -214,7 +245,7 @@ class RolloutFleet:
             ids = self._start(n - cur)
             self.events.append(FleetEvent(time.time(), "scale_up" if cur else "start", f"+{len(ids)} -> {n}"))
         elif n < cur:
-            self._stop([self.workers.pop(wid) for wid in sorted(self.workers)[n - cur :]])
+            self._stop([self._forget(wid) for wid in sorted(self.workers)[n - cur :]])
             self.events.append(FleetEvent(time.time(), "scale_down", f"-{cur - n} -> {n}"))
 
     def replace_dead(self, during: str, timeout_s: float = 30.0, bring_up: bool = True) -> int:
@@ -240,7 +271,7 @@ class RolloutFleet:
             self.spawner.kill(self.workers[pings[ref]])
             dead.append((pings[ref], f"did not answer in {timeout_s:.0f} s"))
         for wid, why in dead:
-            self.workers.pop(wid, None)
+            self._forget(wid)
             self.events.append(FleetEvent(time.time(), "replaced", f"worker {wid} {why} during {during}"))
         if dead:
             self._start(len(dead), bring_up)
@@ -252,39 +283,80 @@ class RolloutFleet:
         self.scale(want)
         return len(self.workers)
 
+    # ------------------------------------------------------------ relays
+
+    def uses_relays(self) -> bool:
+        """Whether this many workers are called through per-node relays (``rollout.relay_min_workers``)."""
+        least = self.cfg.rollout.relay_min_workers
+        return least > 0 and len(self.workers) >= least
+
+    def _relay(self, node: str | None):
+        """The relay of ``node``, started (on that node, holding its workers) at first use."""
+        relay = self.relays.get(node)
+        if relay is None:
+            placement = NodeAffinitySchedulingStrategy(node, soft=True) if node else None
+            relay_cls = ray.remote(num_cpus=0, max_restarts=0, scheduling_strategy=placement)(RolloutRelay)
+            relay = self.relays[node] = relay_cls.remote(node)
+            ray.get(relay.attach.remote({wid: self.workers[wid] for wid, n in self.node_of.items() if n == node}))
+        return relay
+
     # ------------------------------------------------------------ work
+
+    def _send(self, assignments: list[tuple], group_size: int, evaluation: bool, via_relays: bool, inflight, finished):
+        """Make the rollout calls of ``assignments`` ((worker id, groups, seed) each): one per worker, or one per
+        node through its relay. ``inflight`` maps each call to (through a relay, its node, [(worker id, groups)])."""
+        calls = []
+        if via_relays:
+            by_node: dict[str | None, list[tuple]] = {}
+            for a in assignments:
+                by_node.setdefault(self.node_of.get(a[0]), []).append(a)
+            for node, part in by_node.items():
+                args = {wid: (take, group_size, gseed, evaluation) for wid, take, gseed in part}
+                calls.append((self._relay(node).fan_out.remote("rollout_serialized", args), node, part))
+        else:
+            for wid, take, gseed in assignments:
+                calls.append(
+                    (self.workers[wid].rollout.remote(take, group_size, gseed, evaluation), None, [(wid, take, gseed)])
+                )
+        for ref, node, part in calls:
+            inflight[ref] = (via_relays, node, [(wid, take) for wid, take, _ in part])
+            ref.future().add_done_callback(lambda fut, ref=ref: finished.put((ref, fut)))
 
     def run_step(
         self, groups: list[tuple], group_size: int, seed: int, evaluation: bool = False, on_dispatch=None
     ) -> tuple[TrajectoryBatch, dict]:
         """Roll out every group once. A dead worker's unfinished groups go back to the queue and the worker
         is replaced. Returns the step's batch, ordered by (group, slot), and per-step stats: the workers'
-        ``generate_s``/``tool_s``/``retrieve_s`` summed, ``slowest_chunk_s`` (max), ``requeued_groups`` and
-        ``replaced_workers``.
+        ``generate_s``/``tool_s``/``retrieve_s`` summed, ``slowest_chunk_s`` (max), ``requeued_groups``,
+        ``replaced_workers`` and ``lost_relays``.
 
-        The driver's cost is O(1) per finished chunk, whatever the fleet's size: each call's completion is queued
+        The driver's cost is O(1) per finished call, whatever the fleet's size: each call's completion is queued
         by a callback (no ``ray.wait`` over every call in flight) together with its future, whose ``result()`` is the
         value already fetched (no ``ray.get`` per call), idle workers wait in a deque, and the workers that died in
-        one round are replaced together (one start, not one per worker)."""
+        one round are replaced together (one start, not one per worker). With relays (``uses_relays``) a call
+        covers a node's workers of the round. A relay that dies (its node lost) has its groups re-queued, and the
+        rest of the step calls the workers directly."""
         queue = deque(groups)
         done: dict[str, TrajectoryBatch] = {}
-        inflight: dict[ray.ObjectRef, tuple[int, list[tuple]]] = {}
+        inflight: dict[ray.ObjectRef, tuple[bool, str | None, list[tuple[int, list[tuple]]]]] = {}
         finished: SimpleQueue = SimpleQueue()  # (ref, future) of calls that returned or failed, in completion order
         idle = deque(sorted(self.workers))
         worker_stats: list[dict] = []
-        lost = {"requeued_groups": 0, "replaced_workers": 0}
+        lost = {"requeued_groups": 0, "replaced_workers": 0, "lost_relays": 0}
         chunk = max(1, math.ceil(len(groups) / max(len(self.workers), 1)))
+        via_relays = self.uses_relays()
         while queue or inflight:
+            assignments = []
             while queue and idle:
                 wid = idle.popleft()
                 if wid not in self.workers:  # replaced meanwhile
                     continue
                 take = [queue.popleft() for _ in range(min(chunk, len(queue)))]
                 gseed = (seed * 1_000_003 + sum(zlib.crc32(str(g).encode()) for g, _ in take)) % (2**31)
-                ref = self.workers[wid].rollout.remote(take, group_size, gseed, evaluation)
-                inflight[ref] = (wid, take)
-                ref.future().add_done_callback(lambda fut, ref=ref: finished.put((ref, fut)))
-                if on_dispatch:
+                assignments.append((wid, take, gseed))
+            self._send(assignments, group_size, evaluation, via_relays, inflight, finished)
+            if on_dispatch:
+                for wid, take, _ in assignments:
                     on_dispatch(wid, take)
             if not inflight:
                 raise RuntimeError(f"rollout: {len(queue)} groups queued and no rollout worker to run them")
@@ -293,31 +365,46 @@ class RolloutFleet:
                 calls.append(finished.get())
             died = []
             for ref, fut in calls:
-                wid, take = inflight.pop(ref)
-                try:
-                    res = fut.result()  # the call's value, or the error a dead worker's call raises
-                except WORKER_DIED as exc:
-                    queue.extendleft(reversed(take))
-                    lost["requeued_groups"] += len(take)
-                    self.workers.pop(wid, None)
-                    died.append(wid)
+                through_relay, node, part = inflight.pop(ref)
+                values, dead = self._outcomes(fut, through_relay, part)
+                if values is None:  # the relay itself died: its workers may live; their groups run again
+                    self.relays.pop(node, None)
+                    via_relays = False
+                    lost["lost_relays"] += 1
+                    for wid, take in part:
+                        queue.extendleft(reversed(take))
+                        lost["requeued_groups"] += len(take)
+                        idle.append(wid)
                     self.events.append(
                         FleetEvent(
-                            time.time(),
-                            "requeued",
-                            f"worker {wid} died ({type(exc).__name__}); {len(take)} groups re-queued",
+                            time.time(), "requeued", f"relay of node {node} died; {len(part)} workers' groups re-queued"
                         )
                     )
                     continue
-                idle.append(wid)
-                chunk_batch: TrajectoryBatch = res["batch"]
-                by_group: dict[str, list[int]] = {}
-                for i, gid in enumerate(chunk_batch.group_ids()):
-                    by_group.setdefault(gid, []).append(i)
-                for gid, idx in by_group.items():
-                    idx.sort(key=lambda i: chunk_batch.trajectories[i].slot)
-                    done.setdefault(gid, chunk_batch.select(idx))  # first result wins: never counted twice
-                worker_stats.append(res["stats"])
+                for wid, take in part:
+                    if wid in dead:
+                        queue.extendleft(reversed(take))
+                        lost["requeued_groups"] += len(take)
+                        self._forget(wid)
+                        died.append(wid)
+                        self.events.append(
+                            FleetEvent(
+                                time.time(),
+                                "requeued",
+                                f"worker {wid} died ({dead[wid]}); {len(take)} groups re-queued",
+                            )
+                        )
+                        continue
+                    idle.append(wid)
+                    res = values[wid]
+                    chunk_batch: TrajectoryBatch = res["batch"]
+                    by_group: dict[str, list[int]] = {}
+                    for i, gid in enumerate(chunk_batch.group_ids()):
+                        by_group.setdefault(gid, []).append(i)
+                    for gid, idx in by_group.items():
+                        idx.sort(key=lambda i: chunk_batch.trajectories[i].slot)
+                        done.setdefault(gid, chunk_batch.select(idx))  # first result wins: never counted twice
+                    worker_stats.append(res["stats"])
             if died:
                 idle.extend(self._start(len(died)))
                 lost["replaced_workers"] += len(died)
@@ -327,6 +414,25 @@ class RolloutFleet:
             raise RuntimeError(f"rollout lost groups {missing[:5]}")
         stats = {"generate_s": 0.0, "tool_s": 0.0, "retrieve_s": 0.0, **merge_actor_stats(worker_stats), **lost}
         return TrajectoryBatch.concat([done[g] for g, _ in groups]), stats
+
+    @staticmethod
+    def _outcomes(fut, through_relay: bool, part: list[tuple]) -> tuple[dict | None, dict]:
+        """A finished call's per-worker outcomes: (values by worker id, why each dead worker died). A worker's own
+        error (not its death) is raised: it is a bug or bad input, and re-running its groups would repeat it.
+        ``(None, {})`` when the relay making the call died."""
+        if not through_relay:
+            wid = part[0][0]
+            try:
+                return {wid: fut.result()}, {}
+            except WORKER_DIED as exc:
+                return {}, {wid: type(exc).__name__}
+        try:
+            answer = fut.result()
+        except WORKER_DIED:
+            return None, {}
+        for exc in answer["errors"].values():
+            raise exc
+        return {wid: pickle.loads(value) for wid, value in answer["values"].items()}, answer["died"]
 
     def handles(self) -> list:
         return [self.workers[w] for w in sorted(self.workers)]
@@ -342,3 +448,7 @@ class RolloutFleet:
     def shutdown(self):
         self._stop(list(self.workers.values()))
         self.workers.clear()
+        self.node_of.clear()
+        for relay in self.relays.values():
+            ray.kill(relay)
+        self.relays.clear()

@@ -10,17 +10,29 @@ import pytest
 from tests.helpers import benchmark_module
 
 
-def test_packed_fleet_steps_kill_and_sync(ray_session):
+@pytest.mark.parametrize("relay_min_workers", [0, 6], ids=["direct", "relays"])
+def test_packed_fleet_steps_kill_and_sync(ray_session, relay_min_workers):
     control_plane = benchmark_module("control_plane")
     # (no gc.freeze: it would freeze the suite's own heap)
     args = argparse.Namespace(
-        hosts=2, steps=1, group_size=2, decode_s=1.0, model_kb=4, timeout=60.0, profile=5, gc_freeze=False
+        hosts=2,
+        steps=1,
+        group_size=2,
+        decode_s=1.0,
+        model_kb=4,
+        timeout=60.0,
+        profile=5,
+        gc_freeze=False,
+        relay_min_workers=relay_min_workers,
     )
     out = control_plane.fleet_size(args, 6)
     assert (out["hosts"], out["per_host"]) == (2, 3)
+    assert out["uses_relays"] == (relay_min_workers > 0)
     for step in (out["first_step"], *out["steps"]):
         assert step["each_group_once"] and step["trajectories"] == 12
-        assert step["requeued_groups"] == step["replaced_workers"] == 0
+        assert step["requeued_groups"] == step["replaced_workers"] == step["lost_relays"] == 0
+        assert step["relays"] == (1 if relay_min_workers else 0)  # the suite's Ray is one node
+        assert (step["relays_cpu_s"] > 0) == (relay_min_workers > 0)
         assert step["wall_s"] >= args.decode_s
         assert 0 < step["driver_main_thread_cpu_s"] <= step["driver_cpu_s"]
         assert 0 <= step["gc_s"] <= step["driver_cpu_s"] and step["gc_s"] == pytest.approx(

@@ -120,6 +120,58 @@ def test_killed_worker_loses_no_group(ray_session, fleet_cfg, tiny_model_dir):
         fleet.shutdown()
 
 
+def test_relays_give_the_direct_calls_batch_and_lose_no_group_when_a_worker_or_relay_dies(
+    ray_session, fleet_cfg, tiny_model_dir
+):
+    """Through per-node relays (``rollout.relay_min_workers``) a step is the same as with one call per worker, bit
+    for bit; a worker killed in the round, and then the relay itself, cost no group and count none twice."""
+    from dataclasses import replace
+
+    from rapo_ray.workers.rollout import RolloutFleet
+
+    direct = replace(fleet_cfg, rollout=replace(fleet_cfg.rollout, relay_min_workers=0))
+    relayed = replace(fleet_cfg, rollout=replace(fleet_cfg.rollout, relay_min_workers=2))
+    fleet = RolloutFleet(tiny_model_dir, direct, retrieval_app=None)
+    groups = _groups(4)
+    every = sorted((g, s) for g, _ in groups for s in range(2))
+
+    def rows(batch):
+        return [(t.group_id, t.slot, list(t.response_ids), list(t.logprobs)) for t in batch]
+
+    try:
+        want, _ = fleet.run_step(groups, group_size=2, seed=3)
+        assert not fleet.uses_relays() and not fleet.relays
+        fleet.cfg = relayed
+        got, stats = fleet.run_step(groups, group_size=2, seed=3)
+        assert fleet.uses_relays() and len(fleet.relays) == 1  # one node: one relay, holding both workers
+        assert rows(got) == rows(want)
+        assert stats["requeued_groups"] == stats["replaced_workers"] == stats["lost_relays"] == 0
+
+        killed = []
+
+        def kill_first_worker(wid, take):
+            if not killed:
+                killed.append(wid)
+                ray.kill(fleet.workers[wid])
+
+        batch, stats = fleet.run_step(groups, group_size=2, seed=4, on_dispatch=kill_first_worker)
+        assert stats["requeued_groups"] == 2 and stats["replaced_workers"] == 1 and stats["lost_relays"] == 0
+        assert sorted((t.group_id, t.slot) for t in batch) == every and len(fleet.workers) == 2
+
+        def kill_relay(wid, take):
+            for relay in list(fleet.relays.values()):
+                ray.kill(relay)
+
+        batch, stats = fleet.run_step(groups, group_size=2, seed=5, on_dispatch=kill_relay)
+        assert stats["lost_relays"] == 1 and stats["requeued_groups"] == 4 and stats["replaced_workers"] == 0
+        assert sorted((t.group_id, t.slot) for t in batch) == every
+        assert any("relay of node" in e.detail for e in fleet.events)
+        batch, stats = fleet.run_step(groups, group_size=2, seed=6)  # the next step starts a new relay
+        assert len(fleet.relays) == 1 and stats["lost_relays"] == 0 and len(batch) == 8
+    finally:
+        fleet.shutdown()
+
+
 class TestWeightSync:
     """The learners, the fleet and the sync of ``sync_topology``, shared by the tests in turn."""
 

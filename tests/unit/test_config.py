@@ -78,6 +78,8 @@ def test_impossible_sizes_are_named():
         load_config(overrides=["tasks.families=[chess]"])
     with pytest.raises(ConfigError, match="rollout.num_workers"):
         load_config(overrides=["rollout.num_workers=0"])
+    with pytest.raises(ConfigError, match=r"rollout.relay_min_workers \(-1\) must be >= 0"):
+        load_config(overrides=["rollout.relay_min_workers=-1"])
 
 
 def test_per_family_warm_start_demos_are_checked_and_change_only_their_families_cache(tmp_path):
