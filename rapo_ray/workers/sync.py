@@ -235,13 +235,32 @@ def member_key(handle) -> str:
     return handle._actor_id.hex() if isinstance(handle, ray.actor.ActorHandle) else handle.member_key
 
 
+# Groups of at least this many members connect lazily (a pair when it first exchanges data); smaller ones connect
+# every pair as they form. Eager formation makes N(N-1)/2 connections and N-1 sockets in each member, which stops
+# scaling at hundreds of members, though only the learner ranks send data. But gloo's lazy connect has a failure
+# path that hangs: after a peer died, a member dropping the group can spin forever in the group's destructor
+# (pytorch/gloo#520), holding the GIL. Eager groups did not show it (docs/RESULTS.md, Known limits).
+LAZY_CONNECT_MIN_MEMBERS = 64
+
+
 class SyncGroup:
     """One member's end of a weight-sync group: a gloo process group on the run's store, under ``name``."""
 
-    def __init__(self, host: str, port: int, name: str, rank: int, world: int, timeout_s: float, store=None):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        name: str,
+        rank: int,
+        world: int,
+        timeout_s: float,
+        store=None,
+        lazy: bool | None = None,
+    ):
         """``host``: the store's address; 127.0.0.1 means every member is on this one machine, and then the
         members' own sockets stay on loopback too. ``store``: a client of that store to share (members packed in
-        one process); default, a connection of this member's own."""
+        one process); default, a connection of this member's own. ``lazy``: connect pairs at their first exchange;
+        default, for groups of ``LAZY_CONNECT_MIN_MEMBERS`` or more (every member of a group must agree)."""
         import torch.distributed as dist
 
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -249,11 +268,8 @@ class SyncGroup:
             store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
         opts = dist.ProcessGroupGloo._Options()
         my_ip = host if host == "127.0.0.1" else ray.util.get_node_ip_address()
-        # lazy: a pair of members connects when it first exchanges data. Eagerly, every member connected to every
-        # other as the group formed: N(N-1)/2 connections, N-1 sockets in each member (128 members: 1.1 s against
-        # 0.07 s lazily; 192 in one process passed its open-file limit; docs/RESULTS.md), though only the learner
-        # ranks send data to the workers.
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=my_ip, lazy_init=True)]
+        lazy = world >= LAZY_CONNECT_MIN_MEMBERS if lazy is None else lazy
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=my_ip, lazy_init=lazy)]
         opts._timeout = timeout
         self.name, self.rank, self.world = name, rank, world
         self.spec: bytes | None = None  # the last push's spec: a push with the same layout does not resend it

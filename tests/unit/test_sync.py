@@ -208,9 +208,9 @@ def sender_failing_mid_push() -> float:
 
 def test_a_sender_failing_mid_push_frees_every_worker_at_once():
     """A failure on one sender between buckets must not leave a worker waiting for the timeout (600 s here).
-    Run in a fresh process: late in a full suite (after the Ray tests, in the same process) the failed sender once
-    hung in gloo's ProcessGroupGloo destructor, its device loop spinning while the destructor joined it with the GIL
-    held, which stopped the whole suite (docs/RESULTS.md, Known limits). Alone it takes under 1 s."""
+    Run in a fresh process: when sync groups connected lazily, the failed sender once hung late in a full suite in
+    gloo's ProcessGroupGloo destructor, its device loop spinning while the destructor joined it with the GIL held,
+    which stopped the whole suite (docs/RESULTS.md, Known limits). Alone it takes under 1 s."""
     code = "from tests.unit.test_sync import sender_failing_mid_push as f; print(f'{f():.2f}')"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
