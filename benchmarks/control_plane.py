@@ -72,14 +72,7 @@ from rapo_ray.training.trainer import push_weights  # noqa: E402
 from rapo_ray.types.batch import TrajectoryBatch  # noqa: E402
 from rapo_ray.types.trajectory import GENERATED, ON_POLICY, Task, Trajectory  # noqa: E402
 from rapo_ray.workers.rollout import RolloutFleet  # noqa: E402
-from rapo_ray.workers.sync import (  # noqa: E402
-    LAZY_CONNECT_MIN_MEMBERS,
-    SyncGroup,
-    SyncMember,
-    WeightSync,
-    receive_state,
-    send_state,
-)
+from rapo_ray.workers.sync import SyncGroup, SyncMember, WeightSync, receive_state, send_state  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT_TOKENS, MIN_TOKENS, MAX_TOKENS = 128, 32, 256
@@ -146,18 +139,15 @@ class EngineHost:
         return True
 
     def join_weight_sync(self, wid: int, host: str, port: int, name: str, rank: int, world: int, timeout_s) -> bool:
-        """As ``SyncMember.join_weight_sync``. A lazily connecting group (``LAZY_CONNECT_MIN_MEMBERS`` or more) uses
-        one store connection per host process, not per engine; an eagerly connecting one, each engine its own, as a
-        real worker has (the members' concurrent rendezvous over one shared client stalled until the timeout)."""
+        """As ``SyncMember.join_weight_sync``, over one store connection per host process (not per engine) where the
+        group connects lazily (``SyncGroup`` opens one per member for an eager group)."""
         import torch.distributed as dist
 
-        store = None
-        if world >= LAZY_CONNECT_MIN_MEMBERS:
-            with self.lock:
-                store = self.stores.get((host, port))
-                if store is None:
-                    timeout = datetime.timedelta(seconds=timeout_s)
-                    store = self.stores[(host, port)] = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        with self.lock:
+            store = self.stores.get((host, port))
+            if store is None:
+                timeout = datetime.timedelta(seconds=timeout_s)
+                store = self.stores[(host, port)] = dist.TCPStore(host, port, is_master=False, timeout=timeout)
         previous = self.groups.pop(wid, None)
         self.groups[wid] = SyncGroup.join(previous, host, port, name, rank, world, timeout_s, store)
         return True

@@ -345,6 +345,11 @@ class RolloutFleet:
         lost = {"requeued_groups": 0, "replaced_workers": 0, "lost_relays": 0}
         chunk = max(1, math.ceil(len(groups) / max(len(self.workers), 1)))
         via_relays = self.uses_relays()
+
+        def requeue(take: list[tuple]) -> None:
+            queue.extendleft(reversed(take))
+            lost["requeued_groups"] += len(take)
+
         while queue or inflight:
             assignments = []
             while queue and idle:
@@ -372,8 +377,7 @@ class RolloutFleet:
                     via_relays = False
                     lost["lost_relays"] += 1
                     for wid, take in part:
-                        queue.extendleft(reversed(take))
-                        lost["requeued_groups"] += len(take)
+                        requeue(take)
                         idle.append(wid)
                     self.events.append(
                         FleetEvent(
@@ -383,8 +387,7 @@ class RolloutFleet:
                     continue
                 for wid, take in part:
                     if wid in dead:
-                        queue.extendleft(reversed(take))
-                        lost["requeued_groups"] += len(take)
+                        requeue(take)
                         self._forget(wid)
                         died.append(wid)
                         self.events.append(

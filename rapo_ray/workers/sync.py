@@ -258,17 +258,18 @@ class SyncGroup:
         lazy: bool | None = None,
     ):
         """``host``: the store's address; 127.0.0.1 means every member is on this one machine, and then the
-        members' own sockets stay on loopback too. ``store``: a client of that store to share (members packed in
-        one process); default, a connection of this member's own. ``lazy``: connect pairs at their first exchange;
-        default, for groups of ``LAZY_CONNECT_MIN_MEMBERS`` or more (every member of a group must agree)."""
+        members' own sockets stay on loopback too. ``lazy``: connect pairs at their first exchange; default, for
+        groups of ``LAZY_CONNECT_MIN_MEMBERS`` or more (every member of a group must agree). ``store``: a client of
+        that store to share (members packed in one process), used by a lazy group only: the concurrent rendezvous
+        of an eager one over one shared client stalls until the timeout. Otherwise the member opens its own."""
         import torch.distributed as dist
 
         timeout = datetime.timedelta(seconds=timeout_s)
-        if store is None:
+        lazy = world >= LAZY_CONNECT_MIN_MEMBERS if lazy is None else lazy
+        if store is None or not lazy:
             store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
         opts = dist.ProcessGroupGloo._Options()
         my_ip = host if host == "127.0.0.1" else ray.util.get_node_ip_address()
-        lazy = world >= LAZY_CONNECT_MIN_MEMBERS if lazy is None else lazy
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=my_ip, lazy_init=lazy)]
         opts._timeout = timeout
         self.name, self.rank, self.world = name, rank, world

@@ -32,17 +32,20 @@ from rapo_ray.workers.sync import (
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _group(world, timeout_s=30.0):
-    """Ranks 0..world-1 of one sync group, in this process (gloo process groups on a loopback store)."""
+def _group(world, timeout_s=30.0, shared_client=False):
+    """Ranks 0..world-1 of one sync group, in this process (gloo process groups on a loopback store); with
+    ``shared_client``, every member is handed one store client (as members packed in one process are)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False) if shared_client else None
     groups = [None] * world
 
     def join(rank):
-        groups[rank] = SyncGroup("127.0.0.1", store.port, "t/", rank, world, timeout_s)
+        groups[rank] = SyncGroup("127.0.0.1", store.port, "t/", rank, world, timeout_s, store=client)
 
-    threads = [threading.Thread(target=join, args=(r,)) for r in range(world)]
+    threads = [threading.Thread(target=join, args=(r,), daemon=True) for r in range(world)]
     [t.start() for t in threads]
-    [t.join() for t in threads]
+    [t.join(timeout_s + 10) for t in threads]
+    assert all(g is not None for g in groups), f"members {[r for r, g in enumerate(groups) if g is None]} did not join"
     return store, groups
 
 
@@ -151,6 +154,15 @@ def test_a_push_arrives_whole_and_a_repeated_layout_is_not_resent():
         assert got_version == version and all(torch.equal(got[k], v) for k, v in weights.items())
         assert results[0]["buckets"] == 2  # a (1,200 B) alone; b (560 B) and c together
     assert groups[1].spec is not None and groups[1].spec == groups[0].spec  # push 5 reused push 4's layout
+
+
+def test_members_handed_one_shared_store_client_still_form_an_eager_group():
+    """A small group connects every pair as it forms; over one store client shared by its members that rendezvous
+    stalled until the timeout, so an eager group opens a client per member and uses a shared one only lazily."""
+    store, groups = _group(4, timeout_s=20.0, shared_client=True)
+    weights = {"a": torch.arange(12.0)}
+    results, errors = _push(groups, 1, 1, weights, {}, bucket_bytes=1024)
+    assert not errors and all(torch.equal(results[r][1]["a"], weights["a"]) for r in (1, 2, 3))
 
 
 @pytest.mark.parametrize("direct_bytes, cast", [(1 << 20, False), (8, False), (8, True)])
