@@ -22,7 +22,6 @@ from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
 from ray.job_config import JobConfig
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rapo_ray.algos.registry import get_algorithm
 from rapo_ray.config import Config, diff_configs, from_dict, save_config
 from rapo_ray.core.devices import machine_record
 from rapo_ray.core.errors import ConfigError, LearnerLost
@@ -31,7 +30,7 @@ from rapo_ray.core.local_ray import init_local_ray
 from rapo_ray.core.metrics import StageTimer
 from rapo_ray.core.net import free_port
 from rapo_ray.launch import ray_reaper
-from rapo_ray.launch.plan import fit_cpus, learners_start_before_buffer, resource_needs
+from rapo_ray.launch.plan import fit_cpus, hybrid_slots, learners_start_before_buffer, resource_needs
 from rapo_ray.model.factory import set_torch_threads
 from rapo_ray.pipelines.buffer import buffer_questions, build_buffer, manifest_path, with_buffer_collection
 from rapo_ray.pipelines.cold_start import built_cold_start, cold_start
@@ -256,7 +255,7 @@ class RetrievalService:
         self.app: str | None = None
         self._server = None
         self._serve_started = False
-        if get_algorithm(cfg.algo.name).rollout(cfg.algo).hybrid_slots == 0:
+        if hybrid_slots(cfg) == 0:
             return
         from ray import serve
 

@@ -33,9 +33,14 @@ class ResourceNeeds:
         return self.learner_cpus + self.rollout_cpus_max
 
 
+def hybrid_slots(cfg: Config) -> int:
+    """Slots per group the algorithm fills from RAPO's buffer (0: it retrieves nothing, so no buffer and no Serve)."""
+    return get_algorithm(cfg.algo.name).rollout(cfg.algo).hybrid_slots
+
+
 def resource_needs(cfg: Config) -> ResourceNeeds:
     rc, lc, ro = cfg.resources, cfg.learner, cfg.rollout
-    retrieval_gpu = cfg.retrieval.num_gpus if get_algorithm(cfg.algo.name).rollout(cfg.algo).hybrid_slots else 0.0
+    retrieval_gpu = cfg.retrieval.num_gpus if hybrid_slots(cfg) else 0.0
     learner_gpus = lc.world_size * rc.gpus_per_learner
     return ResourceNeeds(
         learner_cpus=lc.world_size * rc.cpus_per_learner,
@@ -56,7 +61,7 @@ def learners_start_before_buffer(cfg: Config, free_cpus: float) -> bool:
     build's actors (``BUILD_CPUS``) still fit beside them in ``free_cpus``; on a cluster sized for the run alone
     they may not, and the build would wait for CPUs that the learners hold. Always, for an algorithm without a
     buffer."""
-    if not get_algorithm(cfg.algo.name).rollout(cfg.algo).hybrid_slots:
+    if not hybrid_slots(cfg):
         return True
     return free_cpus - resource_needs(cfg).learner_cpus >= BUILD_CPUS
 
@@ -98,7 +103,7 @@ def model_name(cfg: Config) -> str:
 
 def resource_plan(cfg: Config) -> str:
     rc, lc, ro, a = cfg.resources, cfg.learner, cfg.rollout, cfg.algo
-    n_hybrid = get_algorithm(a.name).rollout(a).hybrid_slots
+    n_hybrid = hybrid_slots(cfg)
     need = resource_needs(cfg)
     lines = [
         f"algorithm: {a.name} (G={a.group_size}, N_hybrid={n_hybrid}, clip {a.clip_low}/{a.clip_high}, "
