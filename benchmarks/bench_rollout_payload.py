@@ -1,6 +1,6 @@
 """What a rollout batch costs to cross a process boundary: trajectories as ``Trajectory`` pickles them (the per-token
-lists packed into arrays for the trip, lists again on arrival) against the per-element lists pickled as they are
-(what rollout workers returned to the driver before).
+lists as they are, element by element) against the same lists packed into arrays for the trip and turned back into
+lists on arrival (what ``Trajectory`` did for a while; this measurement is why it no longer does).
 
     .venv/bin/python benchmarks/bench_rollout_payload.py
 
@@ -20,6 +20,7 @@ import random
 import statistics
 import sys
 import time
+from array import array
 from pathlib import Path
 
 from rapo_ray.core.devices import machine_record
@@ -29,11 +30,26 @@ from rapo_ray.types.trajectory import Trajectory
 REPO = Path(__file__).resolve().parents[1]
 
 
-class ListsTrajectory(Trajectory):
-    """Pickles its per-token lists element by element (the state as it is, no packing)."""
+class PackedTrajectory(Trajectory):
+    """Pickles its per-token lists packed into arrays (int32 where every value fits, else int64; floats as float64);
+    ``Trajectory.__setstate__`` turns them back into lists."""
 
     def __getstate__(self) -> dict:
-        return dict(self.__dict__)
+        state = dict(self.__dict__)
+        for name in ("prompt_ids", "response_ids", "loss_mask"):
+            state[name] = _packed(state[name], "i", "q")
+        for name in ("logprobs", "token_entropies"):
+            state[name] = _packed(state[name], "d")
+        return state
+
+
+def _packed(values: list, *typecodes: str):
+    for code in typecodes:
+        try:
+            return array(code, values)
+        except (OverflowError, TypeError):
+            continue
+    return values
 
 
 def make_trajectories(n: int, length: int, cls=Trajectory, prompt: int = 200) -> list[Trajectory]:
@@ -70,8 +86,8 @@ def main() -> int:
     for shape in args.shapes.split(","):
         n, length = map(int, shape.split("x"))
         forms = {
-            "packed arrays": make_trajectories(n, length),
-            "python lists": make_trajectories(n, length, ListsTrajectory),
+            "packed arrays": make_trajectories(n, length, PackedTrajectory),
+            "python lists": make_trajectories(n, length),
         }
         runs: dict = {form: [] for form in forms}
         for _ in range(args.repeats):

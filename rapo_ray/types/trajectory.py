@@ -4,18 +4,15 @@
 (c) retrieved step ids. Nothing is ever re-rendered to text and re-tokenized. ``loss_mask`` is 1 only on
 (a). Per-token ``logprobs``/``token_entropies`` are the engine's, 0 outside generated segments.
 
-Across a process boundary (a worker's return, a checkpoint) the per-token lists travel as packed arrays: a list of
-Python numbers unpickles one object per element, and the driver reads every trajectory of every worker each step.
+A trajectory pickles its per-token lists as they are. Packing them into arrays for the trip was tried and measured
+(docs/RESULTS.md, Performance by component): dumping cost about twice as much and loading was cheaper only at the
+largest shape, so it was taken out; a pickle written while it was in (a checkpoint's rollout-ahead queue) still loads.
 """
 
 from __future__ import annotations
 
 from array import array
 from dataclasses import asdict, dataclass, field
-
-# The per-token lists, packed when pickled (int32 where every value fits, else int64; floats as float64, exact).
-TOKEN_INT_FIELDS = ("prompt_ids", "response_ids", "loss_mask")
-TOKEN_FLOAT_FIELDS = ("logprobs", "token_entropies")
 
 # Segment kinds of a response (``Trajectory.segments`` rows are ``(kind, start, end)``, ``end`` exclusive).
 GENERATED = "generated"
@@ -140,16 +137,8 @@ class Trajectory:
 
     # ------------------------------------------------------------ crossing a process boundary
 
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        for name in TOKEN_INT_FIELDS:
-            state[name] = _packed(state[name], "i", "q")
-        for name in TOKEN_FLOAT_FIELDS:
-            state[name] = _packed(state[name], "d")
-        return state
-
     def __setstate__(self, state: dict) -> None:
-        # a state pickled before the lists were packed holds plain lists, and loads as it is
+        # a state pickled while the per-token lists were packed holds arrays: they load as lists
         self.__dict__.update({k: (v.tolist() if isinstance(v, array) else v) for k, v in state.items()})
 
     def to_row(self) -> dict:
@@ -164,13 +153,3 @@ class Trajectory:
         row["retrieved_fraction"] = self.retrieved_fraction
         row["num_generated_tokens"] = self.num_generated_tokens
         return row
-
-
-def _packed(values, *typecodes: str):
-    """``values`` as an array of the first type code that holds every value; unchanged if none does."""
-    for code in typecodes:
-        try:
-            return array(code, values)
-        except (OverflowError, TypeError):
-            continue
-    return values
