@@ -92,6 +92,8 @@ def main() -> int:
 
     from rapo_ray.agent.retriever import StoredStep
     from rapo_ray.config import load_config
+    from rapo_ray.launch.launcher import SERVE_LOGGING
+    from rapo_ray.retrieval.client import HANDLE_OPTIONS
     from rapo_ray.retrieval.embedder import Embedder
     from rapo_ray.retrieval.replica_index import ReplicaIndex
     from rapo_ray.retrieval.service import build_app
@@ -157,7 +159,7 @@ def main() -> int:
         store.close()
 
         port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=SERVE_LOGGING)
         clients = [int(c) for c in args.clients.split(",")]
         report["load"] = []
         cells = [
@@ -169,8 +171,9 @@ def main() -> int:
             cfg = load_config(overrides=["retrieval.collection=bench", f"retrieval.search_on={search_on}"])
             report["batch_wait_ms"] = cfg.retrieval.batch_wait_ms
             name = f"bench_{search_on}_{'batched' if batching else 'unbatched'}"
-            serve.run(build_app(cfg.retrieval, server.uri, batching=batching), name=name, route_prefix=f"/{name}")
-            handle = serve.get_deployment_handle("StepRetriever", app_name=name)
+            app = build_app(cfg.retrieval, server.uri, batching=batching)
+            serve.run(app, name=name, route_prefix=f"/{name}", logging_config=SERVE_LOGGING)  # as a training run
+            handle = serve.get_deployment_handle("StepRetriever", app_name=name).options(**HANDLE_OPTIONS)
             url = f"http://127.0.0.1:{port}/{name}"
             session = requests.Session()
             calls = {

@@ -3,7 +3,8 @@
     python benchmarks/bench_retrieval_backends.py --run RUN [--milvus-dir DIR] [--parts quality,latency]
         [--backends minilm,minilm-onnx-int8,bm25] [--out benchmarks/results/retrieval_backends.json]
 
-``--run``: a finished RAPO run (its config, trajectories and a checkpoint's tokenizer). Its step buffer is read
+``--run``: a RAPO run (its config, its trajectories, and a checkpoint's tokenizer unless ``--tokenizer`` names a
+model folder with the same tokenizer, e.g. the run's starting policy). Its step buffer is read
 from the milvus-lite folder ``--milvus-dir`` (default: the run's ``run.artifacts_dir/milvus``; point it at a copy
 while another run uses that folder, since milvus-lite locks it). Parts:
 
@@ -17,7 +18,10 @@ while another run uses that folder, since milvus-lite locks it). Parts:
 
 ``latency`` (run it alone on the box): each backend's Serve deployment over the run's keys, the run's queries
 sent by 1/8/32 closed-loop clients through the DeploymentHandle for ``--seconds`` each (query cache off, so every
-query that is not a stored key is encoded): requests/s, p50/p99.
+query that is not a stored key is encoded): requests/s, p50/p99, and the CPU milliseconds per request of the
+clients' process and of the replica. ``--serve-settings``: ``rapo`` deploys and calls the service as a training
+run does (the launcher's Serve logging; ``service.replica_actor_options``; a rollout worker's
+``client.HANDLE_OPTIONS``), ``ray-defaults`` as Ray Serve does by default (the same logging); give both to compare.
 """
 
 from __future__ import annotations
@@ -43,8 +47,10 @@ from rapo_ray.core.devices import machine_record
 from rapo_ray.core.files import write_json_atomic
 from rapo_ray.envs import tasks as bundled
 from rapo_ray.envs.loaders import gsm8k_calc_steps, gsm8k_solutions
+from rapo_ray.launch.launcher import SERVE_LOGGING
 from rapo_ray.model.factory import load_tokenizer
 from rapo_ray.retrieval.backends import BACKENDS, is_lexical, make_encoder, prepare_backend
+from rapo_ray.retrieval.client import HANDLE_OPTIONS
 from rapo_ray.retrieval.lexical import Bm25Index
 from rapo_ray.retrieval.service import build_app
 from rapo_ray.retrieval.store import MilvusLiteServer, MilvusStepStore, step_rows
@@ -153,26 +159,45 @@ def latency(args, backends, files, keys, queries) -> dict:
         runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}},
         log_to_driver=False,
     )
-    serve.start(http_options={"host": "127.0.0.1", "port": 0})
-    out = {}
+    serve.start(http_options={"host": "127.0.0.1", "port": 0}, logging_config=SERVE_LOGGING)
+    settings = args.serve_settings.split(",")
+    out: dict = {setting: {} for setting in settings}
     try:
         for backend in backends:
-            # One milvus-lite server per backend: a server kept across backends dropped the driver's connection
-            # (gRPC GOAWAY "too_many_pings") while the previous backend was under load.
-            server = MilvusLiteServer(Path(args.scratch) / "milvus" / backend)
-            try:
-                out[backend] = backend_latency(args, backend, files[backend], server.uri, keys, queries)
-            finally:
-                serve.delete("bench")
-                server.stop()
+            for setting in settings:  # in turn per backend, so that a change in the box's load hits both
+                # One milvus-lite server per deployment: a server kept across backends dropped the driver's
+                # connection (gRPC GOAWAY "too_many_pings") while the previous backend was under load.
+                server = MilvusLiteServer(Path(args.scratch) / "milvus" / f"{backend}-{setting}")
+                try:
+                    out[setting][backend] = backend_latency(
+                        args, backend, setting, files[backend], server.uri, keys, queries
+                    )
+                finally:
+                    serve.delete("bench")
+                    server.stop()
     finally:
         serve.shutdown()
         ray.shutdown()
     return out
 
 
-def backend_latency(args, backend: str, files, uri: str, keys, queries) -> dict:
-    """One backend's Serve deployment over the run's keys, loaded by 1/8/32 closed-loop clients."""
+def replica_cpu_s() -> float:
+    """CPU seconds used so far by the processes of the benchmark app's replicas (their process titles)."""
+    total = 0.0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if title.startswith(b"ray::ServeReplica:bench:"):
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    return total
+
+
+def backend_latency(args, backend: str, setting: str, files, uri: str, keys, queries) -> dict:
+    """One backend's Serve deployment over the run's keys, deployed and called with ``setting``
+    (``--serve-settings``), loaded by 1/8/32 closed-loop clients."""
     cfg = load_config(
         overrides=[
             f"retrieval.collection=bench_{backend.replace('-', '_')}",
@@ -186,8 +211,12 @@ def backend_latency(args, backend: str, files, uri: str, keys, queries) -> dict:
     store.upsert_rows(step_rows(steps, enc.embed([s.key for s in steps])))
     store.flush()
     store.close()
-    serve.run(build_app(cfg.retrieval, uri, embedder_files=files), name="bench", route_prefix="/b")
+    ours = setting == "rapo"
+    defaults = {"num_cpus": 0, "num_gpus": cfg.retrieval.num_gpus}  # no runtime_env: Serve's own thread setting
+    app = build_app(cfg.retrieval, uri, embedder_files=files, actor_options=None if ours else defaults)
+    serve.run(app, name="bench", route_prefix="/b", logging_config=SERVE_LOGGING)
     handle = serve.get_deployment_handle("StepRetriever", app_name="bench")
+    handle = handle.options(**HANDLE_OPTIONS) if ours else handle
     texts = [q["text"][-cfg.retrieval.query_max_chars :] for q in queries]
     out = {}
     for clients in [int(c) for c in args.clients.split(",")]:
@@ -202,15 +231,20 @@ def backend_latency(args, backend: str, files, uri: str, keys, queries) -> dict:
                     lat.append(time.perf_counter() - t)
                 i += clients
 
+        mine, replica = os.times(), replica_cpu_s()
         wall = run_clients(client, clients)
+        mine_s = sum(os.times()[:2]) - sum(mine[:2])  # this process's user + system CPU: the clients and their router
+        replica_s = replica_cpu_s() - replica
         lat.sort()
         out[clients] = {
             "requests": len(lat),
             "rps": len(lat) / wall,
             "p50_ms": percentile_ms(lat, 0.5),
             "p99_ms": percentile_ms(lat, 0.99),
+            "clients_cpu_ms_per_request": 1000 * mine_s / max(len(lat), 1),
+            "replica_cpu_ms_per_request": 1000 * replica_s / max(len(lat), 1),
         }
-        print(backend, clients, json.dumps({k: round(v, 1) for k, v in out[clients].items()}), flush=True)
+        print(setting, backend, clients, json.dumps({k: round(v, 2) for k, v in out[clients].items()}), flush=True)
     return out
 
 
@@ -219,11 +253,17 @@ def main() -> int:
     ap.add_argument("--run", required=True, type=Path, help="a finished RAPO run directory")
     ap.add_argument("--milvus-dir", type=Path, default=None, help="its buffer's milvus-lite folder (or a copy)")
     ap.add_argument("--collection", default=None, help="the buffer's collection (default: the folder's only one)")
+    ap.add_argument("--tokenizer", type=Path, default=None, help="a model folder (default: the run's last checkpoint)")
     ap.add_argument("--backends", default=",".join(BACKENDS), help=f"comma-separated, of: {', '.join(BACKENDS)}")
     ap.add_argument("--parts", default="quality,latency", help="quality, latency or both")
     ap.add_argument("--gsm8k", type=int, default=1000, help="GSM8K training problems in the proxies")
     ap.add_argument("--multihop", type=int, default=1000, help="bundled multihop problems in the proxy")
     ap.add_argument("--clients", default="1,8,32")
+    ap.add_argument(
+        "--serve-settings",
+        default="rapo",
+        help="comma-separated, of: rapo (as a training run deploys and calls the service), ray-defaults",
+    )
     ap.add_argument("--seconds", type=float, default=15.0, help="per load level")
     ap.add_argument("--threads", type=int, default=1, help="torch / onnxruntime threads (a replica uses 1)")
     ap.add_argument("--scratch", default=str(REPO / "artifacts" / "bench_retrieval_backends"))
@@ -233,21 +273,25 @@ def main() -> int:
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
         sys.exit(f"--backends: unknown {unknown}; valid: {list(BACKENDS)}")
+    bad = set(args.serve_settings.split(",")) - {"rapo", "ray-defaults"}
+    if bad:
+        sys.exit(f"--serve-settings: unknown {sorted(bad)}; valid: rapo, ray-defaults")
     parts = set(args.parts.split(","))
     if not parts or parts - {"quality", "latency"}:
         sys.exit(f"--parts {args.parts!r}: give quality, latency or both")
     if not (args.run / "config.yaml").is_file():
         sys.exit(f"--run {args.run}: no config.yaml there (not a run directory)")
     checkpoints = sorted((args.run / "checkpoints").glob("step-*"))
-    if not checkpoints:
-        sys.exit(f"--run {args.run}: no checkpoints/step-* (the tokenizer is read from one)")
+    tokenizer_dir = args.tokenizer or (checkpoints[-1] if checkpoints else None)
+    if tokenizer_dir is None:
+        sys.exit(f"--run {args.run}: no checkpoints/step-* to read the tokenizer from; give --tokenizer")
     torch.set_num_threads(args.threads)
     cfg = load_config(args.run / "config.yaml", [])
     milvus_dir = args.milvus_dir or Path(cfg.run.artifacts_dir) / "milvus"
     collection, keys = buffer_keys(milvus_dir, args.collection)
     pool, _ = rl_task_pool(cfg)
     question_of = {t.id: t.question for ts in pool.values() for t in ts}
-    queries = run_queries(args.run, load_tokenizer(checkpoints[-1]))
+    queries = run_queries(args.run, load_tokenizer(tokenizer_dir))
     max_chars = cfg.retrieval.query_max_chars
     for q in queries:
         q["text"] = query_text(question_of[q["question_id"]], q["history"], max_chars)

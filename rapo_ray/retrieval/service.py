@@ -177,9 +177,21 @@ class StepRetrieverService:
         self.store.count()  # raises if Milvus went away; Serve restarts the replica
 
 
-def build_app(rcfg, uri: str, batching: bool = True, embedder_files: str = ""):
+def replica_actor_options(rcfg) -> dict:
+    """A replica's Ray actor options for ``RetrievalConfig`` ``rcfg``. A lexical search takes about a millisecond,
+    so the replica runs it on its own event loop instead of a second thread (Ray Serve's throughput-optimized
+    setting), saving a thread hop per request; an embedder's forward pass (tens to hundreds of milliseconds on a
+    CPU) would stall the replica's control loop there."""
+    options = {"num_cpus": 0, "num_gpus": rcfg.num_gpus}
+    if is_lexical(rcfg.embedder):
+        options["runtime_env"] = {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}
+    return options
+
+
+def build_app(rcfg, uri: str, batching: bool = True, embedder_files: str = "", actor_options: dict | None = None):
     """The Serve application for ``RetrievalConfig`` ``rcfg`` over the store at ``uri``; ``embedder_files``: what
-    ``prepare_backend`` returned for ``rcfg.embedder``."""
+    ``prepare_backend`` returned for ``rcfg.embedder``; ``actor_options``: the replicas' Ray actor options instead of
+    ``replica_actor_options(rcfg)`` (a benchmark compares them)."""
     return StepRetrieverService.options(
         autoscaling_config={
             "min_replicas": rcfg.min_replicas,
@@ -187,7 +199,7 @@ def build_app(rcfg, uri: str, batching: bool = True, embedder_files: str = ""):
             "target_ongoing_requests": rcfg.target_ongoing_requests,
         },
         max_ongoing_requests=max(rcfg.max_batch_size, 64),
-        ray_actor_options={"num_cpus": 0, "num_gpus": rcfg.num_gpus},
+        ray_actor_options=replica_actor_options(rcfg) if actor_options is None else actor_options,
     ).bind(
         uri,
         rcfg.collection,

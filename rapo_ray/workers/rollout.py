@@ -32,7 +32,7 @@ from rapo_ray.core.metrics import actor_stats, merge_actor_stats
 from rapo_ray.engines import make_engine
 from rapo_ray.envs.suite import build_tools
 from rapo_ray.model.factory import context_length, load_model_and_tokenizer, load_tokenizer, set_torch_threads
-from rapo_ray.retrieval.client import HandleStepRetriever
+from rapo_ray.retrieval.client import HANDLE_OPTIONS, HandleStepRetriever
 from rapo_ray.retrieval.search_index import search_index_for
 from rapo_ray.types.batch import TrajectoryBatch
 from rapo_ray.workers.relay import RolloutRelay
@@ -65,7 +65,7 @@ class RolloutWorker(SyncMember):
 
             logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the handle's INFO lines stay out of the console
 
-            handle = serve.get_deployment_handle("StepRetriever", app_name=retrieval_app)
+            handle = serve.get_deployment_handle("StepRetriever", app_name=retrieval_app).options(**HANDLE_OPTIONS)
             retriever = HandleStepRetriever(
                 handle,
                 cfg.retrieval.noise_prob,
@@ -152,6 +152,10 @@ class RolloutWorker(SyncMember):
         return True
 
 
+# Starts in a row in which some new rollout worker died before it answered, before the fleet gives up.
+START_ATTEMPTS = 3
+
+
 @dataclass
 class FleetEvent:
     time: float
@@ -204,22 +208,33 @@ class RolloutFleet:
     # ------------------------------------------------------------ membership
 
     def _start(self, n: int, bring_up: bool = True) -> list[int]:
-        """Start ``n`` workers; with ``bring_up``, hand them to ``on_new_workers`` (the current weights)."""
-        ids = list(range(self._next_id, self._next_id + n))
-        self._next_id += n
-        self.workers.update(zip(ids, self.spawner.spawn(ids)))
-        try:
-            answers = ray.get([self.workers[w].ready.remote() for w in ids], timeout=self.start_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise RuntimeError(
-                f"{len(ids)} rollout worker(s) did not start within {self.start_timeout_s:.0f} s: the cluster cannot "
-                f"place actors needing {self.cfg.resources.cpus_per_rollout_worker:g} CPU / "
-                f"{self.cfg.resources.gpus_per_rollout_worker:g} GPU each"
-            ) from None
+        """Start ``n`` workers; with ``bring_up``, hand them to ``on_new_workers`` (the current weights). A worker
+        that dies while it starts (Ray's memory monitor, its node lost) is started again, up to
+        ``START_ATTEMPTS`` times in a row; then the fleet gives up with an error that says why."""
+        node_of: dict[int, str | None] = {}  # the started workers' nodes, as their ``ready`` answered
+        for attempt in range(1, START_ATTEMPTS + 1):
+            ids = list(range(self._next_id, self._next_id + n))
+            self._next_id += n
+            self.workers.update(zip(ids, self.spawner.spawn(ids)))
+            answers, died = self._await_ready(ids)
+            node_of.update((wid, answer.get("node_id")) for wid, answer in answers.items())
+            for wid, exc in died.items():
+                self.workers.pop(wid)
+                why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                self.events.append(FleetEvent(time.time(), "replaced", f"worker {wid} died while starting ({why})"))
+            if not died:
+                break
+            if attempt == START_ATTEMPTS:
+                last = next(iter(died.values()))
+                raise RuntimeError(
+                    f"rollout workers died while starting, {START_ATTEMPTS} times in a row (the last: "
+                    f"{type(last).__name__}); an OutOfMemoryError means the node lacks the memory for another worker"
+                ) from last
+            n = len(died)
+        self.node_of.update(node_of)
         joined: dict[str | None, dict[int, object]] = {}
-        for wid, answer in zip(ids, answers):
-            self.node_of[wid] = answer.get("node_id")
-            joined.setdefault(self.node_of[wid], {})[wid] = self.workers[wid]
+        for wid, node in node_of.items():
+            joined.setdefault(node, {})[wid] = self.workers[wid]
         # an async actor may run calls out of order: the new workers are attached before any fan-out names them
         for node, handles in joined.items():
             if node in self.relays:
@@ -228,8 +243,29 @@ class RolloutFleet:
                 except WORKER_DIED:  # the next fan-out to the node starts a new relay, holding every worker
                     self.relays.pop(node)
         if bring_up and self.on_new_workers is not None:
-            self.on_new_workers([self.workers[w] for w in ids])
-        return ids
+            self.on_new_workers([self.workers[w] for w in node_of])
+        return list(node_of)
+
+    def _await_ready(self, ids: list[int]) -> tuple[dict[int, dict], dict[int, BaseException]]:
+        """Each new worker's ``ready`` answer, and the ones that died instead (worker id -> the error)."""
+        refs = [self.workers[w].ready.remote() for w in ids]
+        try:
+            return dict(zip(ids, ray.get(refs, timeout=self.start_timeout_s))), {}  # the usual case: one call
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(
+                f"{len(ids)} rollout worker(s) did not start within {self.start_timeout_s:.0f} s: the cluster cannot "
+                f"place actors needing {self.cfg.resources.cpus_per_rollout_worker:g} CPU / "
+                f"{self.cfg.resources.gpus_per_rollout_worker:g} GPU each"
+            ) from None
+        except WORKER_DIED:
+            pass
+        answers, died = {}, {}
+        for wid, ref in zip(ids, refs):
+            try:
+                answers[wid] = ray.get(ref, timeout=self.start_timeout_s)
+            except WORKER_DIED as exc:
+                died[wid] = exc
+        return answers, died
 
     def _forget(self, wid: int):
         """Take a worker out of the fleet (and out of its node's relay); returns its handle, or None."""

@@ -55,7 +55,7 @@ def test_serve_app_handle_and_http(serve_url, tmp_path, search_on):
     from ray import serve
 
     from rapo_ray.config import load_config
-    from rapo_ray.retrieval.client import HandleStepRetriever
+    from rapo_ray.retrieval.client import HANDLE_OPTIONS, HandleStepRetriever
     from rapo_ray.retrieval.embedder import Embedder
     from rapo_ray.retrieval.service import build_app
 
@@ -75,7 +75,8 @@ def test_serve_app_handle_and_http(serve_url, tmp_path, search_on):
         store.upsert(steps, emb.embed([s.key for s in steps]))
         store.close()
         serve.run(build_app(cfg.retrieval, server.uri), name="retrieval_test", route_prefix="/retrieve")
-        handle = serve.get_deployment_handle("StepRetriever", app_name="retrieval_test")
+        # called as a rollout worker calls it (HANDLE_OPTIONS: Serve's gRPC data plane), a dead replica included
+        handle = serve.get_deployment_handle("StepRetriever", app_name="retrieval_test").options(**HANDLE_OPTIONS)
         out = HandleStepRetriever(handle).retrieve(["key 7", "key 12"])
         assert [o.value for o in out] == ["<think>v7</think>", "<think>v12</think>"]
         # queries equal to stored keys take the stored vectors (replica copy) instead of being embedded
@@ -128,7 +129,7 @@ def test_serve_app_ranks_by_bm25_and_inserts_with_the_lexical_backend(serve_url,
     from ray import serve
 
     from rapo_ray.config import load_config
-    from rapo_ray.retrieval.client import HandleStepRetriever
+    from rapo_ray.retrieval.client import HANDLE_OPTIONS, HandleStepRetriever
     from rapo_ray.retrieval.lexical import HashedTermEncoder
     from rapo_ray.retrieval.service import build_app
 
@@ -142,8 +143,10 @@ def test_serve_app_ranks_by_bm25_and_inserts_with_the_lexical_backend(serve_url,
         store = MilvusStepStore(server.uri, "lex", dim=384)
         store.upsert(steps, HashedTermEncoder().embed([s.key for s in steps]))
         store.close()
+        # the replica runs its searches on its own event loop (replica_actor_options)
         serve.run(build_app(cfg.retrieval, server.uri), name="retrieval_lex", route_prefix="/retrieve_lex")
-        handle = serve.get_deployment_handle("StepRetriever", app_name="retrieval_lex")
+        # called as a rollout worker calls it: over Serve's gRPC data plane
+        handle = serve.get_deployment_handle("StepRetriever", app_name="retrieval_lex").options(**HANDLE_OPTIONS)
         out = HandleStepRetriever(handle).retrieve(["how much do 3 plums cost?", "figs"])
         assert [o.value for o in out] == ["<think>v2</think>", "<think>v3</think>"] and out[0].score > 0
         fresh = {

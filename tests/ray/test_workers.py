@@ -120,6 +120,46 @@ def test_killed_worker_loses_no_group(ray_session, fleet_cfg, tiny_model_dir):
         fleet.shutdown()
 
 
+class _KillingSpawner:
+    """The fleet's actor spawner, except that the first ``deaths`` workers it starts die before they answer (as
+    when Ray's memory monitor kills a starting worker)."""
+
+    def __init__(self, cfg, model_dir, deaths: int):
+        from rapo_ray.workers.rollout import ActorSpawner
+
+        self.inner, self.deaths = ActorSpawner(cfg, str(model_dir), None), deaths
+
+    def spawn(self, ids):
+        handles = self.inner.spawn(ids)
+        for handle in handles[: self.deaths]:
+            ray.kill(handle)
+        self.deaths -= min(self.deaths, len(handles))
+        return handles
+
+    def kill(self, handle):
+        self.inner.kill(handle)
+
+
+def test_a_worker_dying_while_it_starts_is_started_again_and_endless_deaths_are_an_error(
+    ray_session, fleet_cfg, tiny_model_dir
+):
+    from rapo_ray.workers.rollout import START_ATTEMPTS, RolloutFleet
+
+    fleet = RolloutFleet(tiny_model_dir, fleet_cfg, None, spawner=_KillingSpawner(fleet_cfg, tiny_model_dir, 1))
+    try:
+        assert len(fleet.workers) == fleet_cfg.rollout.num_workers == 2
+        assert [e.detail.split(" (")[0] for e in fleet.events if e.kind == "replaced"] == [
+            "worker 0 died while starting"
+        ]
+        groups = _groups(2)
+        batch, _ = fleet.run_step(groups, group_size=2, seed=1)
+        assert sorted((t.group_id, t.slot) for t in batch) == sorted((g, s) for g, _ in groups for s in range(2))
+    finally:
+        fleet.shutdown()
+    with pytest.raises(RuntimeError, match=f"died while starting, {START_ATTEMPTS} times in a row"):
+        RolloutFleet(tiny_model_dir, fleet_cfg, None, spawner=_KillingSpawner(fleet_cfg, tiny_model_dir, 10**6))
+
+
 def test_relays_give_the_direct_calls_batch_and_lose_no_group_when_a_worker_or_relay_dies(
     ray_session, fleet_cfg, tiny_model_dir
 ):

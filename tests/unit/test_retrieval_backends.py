@@ -14,6 +14,7 @@ from rapo_ray.retrieval.backends import BACKENDS, backend_fingerprint, is_lexica
 from rapo_ray.retrieval.embedder import DIM, Embedder, preprocess
 from rapo_ray.retrieval.lexical import Bm25Index, HashedTermEncoder, terms
 from rapo_ray.retrieval.replica_index import LexicalReplicaIndex
+from rapo_ray.retrieval.service import replica_actor_options
 
 HISTORIES = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
@@ -174,3 +175,15 @@ def test_the_buffer_builders_embed_step_keys_rows_with_each_backend(tmp_path):
         vectors = step({"key": keys})["vector"]
         want = make_encoder(backend, prepare_backend(backend, tmp_path, "last"), "last", 1300).embed(list(keys))
         assert vectors.shape == (3, DIM) and np.allclose(vectors, want, atol=1e-6), backend
+
+
+def test_a_lexical_replica_runs_its_searches_on_its_own_event_loop_and_an_embedder_keeps_serve_s_thread():
+    lexical = replica_actor_options(load_config(overrides=["retrieval.embedder=bm25"]).retrieval)
+    assert lexical == {
+        "num_cpus": 0,
+        "num_gpus": 0.0,
+        "runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}},
+    }
+    for embedder in ("minilm", "minilm-onnx-int8"):
+        options = replica_actor_options(load_config(overrides=[f"retrieval.embedder={embedder}"]).retrieval)
+        assert options == {"num_cpus": 0, "num_gpus": 0.0}, embedder
