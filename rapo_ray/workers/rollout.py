@@ -250,22 +250,23 @@ class RolloutFleet:
         """Each new worker's ``ready`` answer, and the ones that died instead (worker id -> the error)."""
         refs = [self.workers[w].ready.remote() for w in ids]
         try:
-            return dict(zip(ids, ray.get(refs, timeout=self.start_timeout_s))), {}  # the usual case: one call
+            try:
+                return dict(zip(ids, ray.get(refs, timeout=self.start_timeout_s))), {}  # the usual case: one call
+            except WORKER_DIED:
+                pass
+            answers, died = {}, {}
+            for wid, ref in zip(ids, refs):
+                try:
+                    answers[wid] = ray.get(ref, timeout=self.start_timeout_s)
+                except WORKER_DIED as exc:
+                    died[wid] = exc
+            return answers, died
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(
                 f"{len(ids)} rollout worker(s) did not start within {self.start_timeout_s:.0f} s: the cluster cannot "
                 f"place actors needing {self.cfg.resources.cpus_per_rollout_worker:g} CPU / "
                 f"{self.cfg.resources.gpus_per_rollout_worker:g} GPU each"
             ) from None
-        except WORKER_DIED:
-            pass
-        answers, died = {}, {}
-        for wid, ref in zip(ids, refs):
-            try:
-                answers[wid] = ray.get(ref, timeout=self.start_timeout_s)
-            except WORKER_DIED as exc:
-                died[wid] = exc
-        return answers, died
 
     def _forget(self, wid: int):
         """Take a worker out of the fleet (and out of its node's relay); returns its handle, or None."""
