@@ -27,6 +27,7 @@ run does (the launcher's Serve logging; ``service.replica_actor_options``; a rol
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -35,6 +36,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import ray
 import torch
 from bench_query_forms import collection_rows, run_queries
@@ -52,7 +54,7 @@ from rapo_ray.model.factory import load_tokenizer
 from rapo_ray.retrieval.backends import BACKENDS, is_lexical, make_encoder, prepare_backend
 from rapo_ray.retrieval.client import HANDLE_OPTIONS
 from rapo_ray.retrieval.lexical import Bm25Index
-from rapo_ray.retrieval.service import build_app
+from rapo_ray.retrieval.service import build_app, replica_actor_options
 from rapo_ray.retrieval.store import MilvusLiteServer, MilvusStepStore, step_rows
 from rapo_ray.training.trainer import rl_task_pool
 
@@ -182,16 +184,14 @@ def latency(args, backends, files, keys, queries) -> dict:
 
 
 def replica_cpu_s() -> float:
-    """CPU seconds used so far by the processes of the benchmark app's replicas (their process titles)."""
+    """CPU seconds (user + system) used so far by the processes of the benchmark app's replicas, found by their
+    process titles."""
     total = 0.0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        if title.startswith(b"ray::ServeReplica:bench:"):
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    for proc in psutil.process_iter(["cmdline"]):
+        if (proc.info["cmdline"] or [""])[0].startswith("ray::ServeReplica:bench:"):
+            with contextlib.suppress(psutil.Error):  # gone meanwhile
+                times = proc.cpu_times()
+                total += times.user + times.system
     return total
 
 
@@ -212,7 +212,8 @@ def backend_latency(args, backend: str, setting: str, files, uri: str, keys, que
     store.flush()
     store.close()
     ours = setting == "rapo"
-    defaults = {"num_cpus": 0, "num_gpus": cfg.retrieval.num_gpus}  # no runtime_env: Serve's own thread setting
+    # Serve's defaults: ours without the runtime_env that moves user code onto the replica's own loop
+    defaults = {k: v for k, v in replica_actor_options(cfg.retrieval).items() if k != "runtime_env"}
     app = build_app(cfg.retrieval, uri, embedder_files=files, actor_options=None if ours else defaults)
     serve.run(app, name="bench", route_prefix="/b", logging_config=SERVE_LOGGING)
     handle = serve.get_deployment_handle("StepRetriever", app_name="bench")
