@@ -17,11 +17,13 @@ while another run uses that folder, since milvus-lite locks it). Parts:
 - encode throughput (texts/s of the run's queries, this process, ``--threads``) with the load average beside it.
 
 ``latency`` (run it alone on the box): each backend's Serve deployment over the run's keys, the run's queries
-sent by 1/8/32 closed-loop clients through the DeploymentHandle for ``--seconds`` each (query cache off, so every
-query that is not a stored key is encoded): requests/s, p50/p99, and the CPU milliseconds per request of the
-clients' process and of the replica. ``--serve-settings``: ``rapo`` deploys and calls the service as a training
-run does (the launcher's Serve logging; ``service.replica_actor_options``; a rollout worker's
-``client.HANDLE_OPTIONS``), ``ray-defaults`` as Ray Serve does by default (the same logging); give both to compare.
+sent one per call by 1/8/32 closed-loop client threads sharing one ``HandleStepRetriever`` for ``--seconds`` each
+(as the per-trajectory schedule's threads in one rollout worker do; query cache off, so every query that is not a
+stored key is encoded): calls/s, p50/p99 per call, the Serve requests those calls became, and the CPU milliseconds
+per call of the clients' process and of the replica. ``--serve-settings``: ``rapo`` deploys and calls the service
+as a training run does (the launcher's Serve logging; ``service.replica_actor_options``; a rollout worker's
+``client.HANDLE_OPTIONS`` and its coalescing of concurrent calls), ``rapo-per-call`` the same with one request per
+call, ``ray-defaults`` as Ray Serve does by default (the same logging, one request per call); give several to compare.
 """
 
 from __future__ import annotations
@@ -52,13 +54,14 @@ from rapo_ray.envs.loaders import gsm8k_calc_steps, gsm8k_solutions
 from rapo_ray.launch.launcher import SERVE_LOGGING
 from rapo_ray.model.factory import load_tokenizer
 from rapo_ray.retrieval.backends import BACKENDS, is_lexical, make_encoder, prepare_backend
-from rapo_ray.retrieval.client import HANDLE_OPTIONS
+from rapo_ray.retrieval.client import HANDLE_OPTIONS, HandleStepRetriever
 from rapo_ray.retrieval.lexical import Bm25Index
 from rapo_ray.retrieval.service import build_app, replica_actor_options
 from rapo_ray.retrieval.store import MilvusLiteServer, MilvusStepStore, step_rows
 from rapo_ray.training.trainer import rl_task_pool
 
 REPO = Path(__file__).resolve().parents[1]
+SERVE_SETTINGS = ("rapo", "rapo-per-call", "ray-defaults")
 GSM8K_TRAIN = REPO.parent / "shared" / "data" / "gsm8k_openai" / "train.jsonl"
 
 
@@ -211,14 +214,15 @@ def backend_latency(args, backend: str, setting: str, files, uri: str, keys, que
     store.upsert_rows(step_rows(steps, enc.embed([s.key for s in steps])))
     store.flush()
     store.close()
-    ours = setting == "rapo"
+    ours = setting != "ray-defaults"  # deployed and called as a run does (rapo-per-call without coalescing)
     # Serve's defaults: ours without the runtime_env that moves user code onto the replica's own loop
     defaults = {k: v for k, v in replica_actor_options(cfg.retrieval).items() if k != "runtime_env"}
     app = build_app(cfg.retrieval, uri, embedder_files=files, actor_options=None if ours else defaults)
     serve.run(app, name="bench", route_prefix="/b", logging_config=SERVE_LOGGING)
     handle = serve.get_deployment_handle("StepRetriever", app_name="bench")
     handle = handle.options(**HANDLE_OPTIONS) if ours else handle
-    texts = [q["text"][-cfg.retrieval.query_max_chars :] for q in queries]
+    retriever = HandleStepRetriever(handle, max_chars=cfg.retrieval.query_max_chars, coalesce=setting == "rapo")
+    texts = [q["text"] for q in queries]
     out = {}
     for clients in [int(c) for c in args.clients.split(",")]:
         lat, lock, stop = [], threading.Lock(), time.perf_counter() + args.seconds
@@ -227,23 +231,24 @@ def backend_latency(args, backend: str, setting: str, files, uri: str, keys, que
             i = k
             while time.perf_counter() < stop:
                 t = time.perf_counter()
-                handle.retrieve.remote([texts[i % len(texts)]], 1).result()
+                retriever.retrieve([texts[i % len(texts)]])
                 with lock:
                     lat.append(time.perf_counter() - t)
                 i += clients
 
-        mine, replica = os.times(), replica_cpu_s()
+        mine, replica, requests = os.times(), replica_cpu_s(), retriever.requests
         wall = run_clients(client, clients)
         mine_s = sum(os.times()[:2]) - sum(mine[:2])  # this process's user + system CPU: the clients and their router
         replica_s = replica_cpu_s() - replica
         lat.sort()
         out[clients] = {
-            "requests": len(lat),
-            "rps": len(lat) / wall,
+            "calls": len(lat),
+            "requests": retriever.requests - requests,
+            "calls_per_s": len(lat) / wall,
             "p50_ms": percentile_ms(lat, 0.5),
             "p99_ms": percentile_ms(lat, 0.99),
-            "clients_cpu_ms_per_request": 1000 * mine_s / max(len(lat), 1),
-            "replica_cpu_ms_per_request": 1000 * replica_s / max(len(lat), 1),
+            "clients_cpu_ms_per_call": 1000 * mine_s / max(len(lat), 1),
+            "replica_cpu_ms_per_call": 1000 * replica_s / max(len(lat), 1),
         }
         print(setting, backend, clients, json.dumps({k: round(v, 2) for k, v in out[clients].items()}), flush=True)
     return out
@@ -263,7 +268,7 @@ def main() -> int:
     ap.add_argument(
         "--serve-settings",
         default="rapo",
-        help="comma-separated, of: rapo (as a training run deploys and calls the service), ray-defaults",
+        help=f"comma-separated, of: {', '.join(SERVE_SETTINGS)} (see above)",
     )
     ap.add_argument("--seconds", type=float, default=15.0, help="per load level")
     ap.add_argument("--threads", type=int, default=1, help="torch / onnxruntime threads (a replica uses 1)")
@@ -274,9 +279,9 @@ def main() -> int:
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
         sys.exit(f"--backends: unknown {unknown}; valid: {list(BACKENDS)}")
-    bad = set(args.serve_settings.split(",")) - {"rapo", "ray-defaults"}
+    bad = set(args.serve_settings.split(",")) - set(SERVE_SETTINGS)
     if bad:
-        sys.exit(f"--serve-settings: unknown {sorted(bad)}; valid: rapo, ray-defaults")
+        sys.exit(f"--serve-settings: unknown {sorted(bad)}; valid: {', '.join(SERVE_SETTINGS)}")
     parts = set(args.parts.split(","))
     if not parts or parts - {"quality", "latency"}:
         sys.exit(f"--parts {args.parts!r}: give quality, latency or both")

@@ -12,6 +12,13 @@ except ImportError:
     ray_exceptions = None
 
 
+def brief(exc: BaseException) -> str:
+    """``"TypeName: first line of the message"``: one log line for an error whose message (a Ray traceback) may run
+    to many lines."""
+    lines = str(exc).splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
 class ConfigError(ValueError):
     """A configuration problem; the message names the offending key or file."""
 

@@ -29,7 +29,7 @@ from rapo_ray.algos.entropy import token_entropy_from_logits
 from rapo_ray.algos.loss import PolicyLossConfig, aggregation_denominator, policy_loss, target_logprobs
 from rapo_ray.config import Config, from_dict, to_dict
 from rapo_ray.core.devices import mixed_precision_policy, pick_device, set_deterministic, shard_model
-from rapo_ray.core.errors import WORKER_DIED, LearnerLost
+from rapo_ray.core.errors import WORKER_DIED, LearnerLost, brief
 from rapo_ray.core.metrics import actor_stats, merge_actor_stats
 from rapo_ray.core.net import free_port
 from rapo_ray.model.factory import (
@@ -338,7 +338,7 @@ def _gather(refs: list) -> list:
             results[ready[0]] = ray.get(ready[0])  # each result fetched once (a full state dict can be GBs)
         # ObjectLostError: the learner finished, but its node went away before its result was fetched
         except (*WORKER_DIED, ray.exceptions.ActorUnavailableError, ray.exceptions.ObjectLostError) as exc:
-            raise LearnerLost(f"a learner died: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+            raise LearnerLost(f"a learner died: {brief(exc)}") from None
     return [results[r] for r in refs]
 
 

@@ -27,7 +27,7 @@ from rapo_ray.algos.registry import get_algorithm
 from rapo_ray.algos.rollout import ON_POLICY_ROLLOUT
 from rapo_ray.config import from_dict, to_dict
 from rapo_ray.core.devices import pick_device, set_deterministic
-from rapo_ray.core.errors import WORKER_DIED
+from rapo_ray.core.errors import WORKER_DIED, brief
 from rapo_ray.core.metrics import actor_stats, merge_actor_stats
 from rapo_ray.engines import make_engine
 from rapo_ray.envs.suite import build_tools
@@ -220,8 +220,9 @@ class RolloutFleet:
             node_of.update((wid, answer.get("node_id")) for wid, answer in answers.items())
             for wid, exc in died.items():
                 self.workers.pop(wid)
-                why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                self.events.append(FleetEvent(time.time(), "replaced", f"worker {wid} died while starting ({why})"))
+                self.events.append(
+                    FleetEvent(time.time(), "replaced", f"worker {wid} died while starting ({brief(exc)})")
+                )
             if not died:
                 break
             if attempt == START_ATTEMPTS:
