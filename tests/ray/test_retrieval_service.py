@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -90,6 +91,23 @@ def test_serve_app_handle_and_http(serve_url, tmp_path, search_on):
         other = HandleStepRetriever(handle, question_scope="other").retrieve(["key 7"], ["q0"])[0]
         own = HandleStepRetriever(handle, question_scope="own").retrieve(["key 8"], ["q0"])[0]
         assert other.question_id != "q0" and own.question_id == "q0"
+        # concurrent calls through one client (the per-trajectory schedule's threads) go out coalesced, and each
+        # caller gets the rows of its own queries under its own question filter
+        shared, got, start = HandleStepRetriever(handle, question_scope="own"), {}, threading.Barrier(20)
+
+        def call(i):
+            start.wait()
+            got[i] = shared.retrieve([f"key {i}"], [f"q{i % 7}"])[0]
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(20)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert {i: (h.value, h.question_id) for i, h in got.items()} == {
+            i: (f"<think>v{i}</think>", f"q{i % 7}") for i in range(20)
+        }
+        assert shared.requests < 20
         url = f"{serve_url}/retrieve"
         r = requests.post(url, json={"queries": ["key 3"], "top_k": 2}, timeout=30)
         assert r.status_code == 200 and len(r.json()["results"][0]) == 2
