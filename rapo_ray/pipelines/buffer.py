@@ -41,7 +41,7 @@ from rapo_ray.envs.loaders import gsm8k_solutions, gsm8k_trajectory_parts
 from rapo_ray.envs.suite import build_tools
 from rapo_ray.model.factory import context_length, load_model_and_tokenizer, load_tokenizer, set_torch_threads
 from rapo_ray.pipelines.sft import expert_trajectories
-from rapo_ray.retrieval.backends import backend_fingerprint, make_encoder, prepare_backend
+from rapo_ray.retrieval.backends import BACKEND_KEY, backend_fingerprint, make_encoder, prepare_backend
 from rapo_ray.retrieval.embedder import DIM, EMBEDDER_VERSION
 from rapo_ray.retrieval.search_index import search_index_for
 from rapo_ray.retrieval.store import MilvusStepStore
@@ -74,6 +74,7 @@ class BufferReport:
     tokens: int
     skipped_questions: int
     seconds: float
+    reindexed: int = 0  # questions whose steps were taken from a sibling buffer (``sibling_buffer``), not sampled
 
     def table(self) -> str:
         return (
@@ -338,6 +339,46 @@ def read_manifest(manifest: Path, collection: str, fingerprint: dict | None = No
     return set(data["questions"])
 
 
+def sibling_buffer(manifest: Path, fingerprint: dict) -> tuple[str, set[str]] | None:
+    """Another buffer in ``manifest``'s folder made of the same sampled steps, embedded by another backend: the same
+    fingerprint but for ``retrieval.embedder`` (its collection, its finished questions), or None. Switching the
+    backend then re-embeds those steps' keys instead of sampling again, so the two buffers hold the same steps."""
+    ours = {k: v for k, v in fingerprint.items() if k != BACKEND_KEY}
+    best = None
+    for path in sorted(manifest.parent.glob("manifest-*.json")):
+        if path == manifest:
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue  # not ours to judge here; its own run reports it
+        built_for = data.get("built_for") if isinstance(data, dict) else None
+        if not isinstance(built_for, dict) or not isinstance(data.get("questions"), list):
+            continue
+        if {k: v for k, v in built_for.items() if k != BACKEND_KEY} == ours and built_for != fingerprint:
+            found = (path.name[len("manifest-") : -len(".json")], set(data["questions"]))
+            best = found if best is None or len(found[1]) > len(best[1]) else best
+    return best
+
+
+def _reindex(cfg, uri: str, sibling: str, question_ids: list[str], store: MilvusStepStore) -> list[StoredStep]:
+    """Copy ``question_ids``' steps from collection ``sibling`` into ``store``, their keys embedded by this run's
+    backend (the stored key is the history the encoder reads: it keeps more than ``query_max_chars``)."""
+    source = MilvusStepStore(uri, sibling, DIM, token=cfg.retrieval.milvus_token, create=False)
+    try:
+        steps = source.steps(question_ids)
+    finally:
+        source.close()
+    rc = cfg.retrieval
+    encoder = make_encoder(
+        rc.embedder, prepare_backend(rc.embedder, cfg.run.artifacts_dir, rc.pooling), rc.pooling, rc.query_max_chars
+    )
+    for i in range(0, len(steps), 256):
+        part = steps[i : i + 256]
+        store.upsert(part, encoder.embed([s.key for s in part]))
+    return steps
+
+
 def _write_manifest(manifest: Path, done: set[str], fingerprint: dict) -> None:
     # atomic: a crash leaves the previous manifest
     write_json_atomic(
@@ -357,6 +398,22 @@ def build_buffer(cfg, model_dir: str, uri: str, tasks: list, manifest: Path, log
     todo = [t for t in tasks if t.id not in done]
     store = MilvusStepStore(uri, collection, DIM, token=cfg.retrieval.milvus_token)
     report = BufferReport(len(tasks), 0, 0, 0, len(tasks) - len(todo), 0.0)
+    sibling = sibling_buffer(manifest, fingerprint) if todo else None
+    if sibling is not None:
+        name, finished = sibling
+        copied = [t.id for t in todo if t.id in finished]
+        if copied:
+            steps = _reindex(cfg, uri, name, copied, store)
+            report.steps += len(steps)
+            report.tokens += sum(len(s.value_ids) for s in steps)
+            report.reindexed = len(copied)
+            done.update(copied)
+            _write_manifest(manifest, done, fingerprint)
+            todo = [t for t in todo if t.id not in finished]
+            log(
+                f"step-trace buffer: {len(steps)} steps of {len(copied)} questions taken from {name!r} (the same "
+                f"sampled steps, keys embedded by {cfg.retrieval.embedder}; nothing sampled for them)"
+            )
     if todo:
         source = buffer_source(cfg)
         log(

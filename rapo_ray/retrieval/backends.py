@@ -30,12 +30,15 @@ def is_lexical(backend: str) -> bool:
     return backend in LEXICAL
 
 
+BACKEND_KEY = "retrieval.embedder"  # the buffer fingerprint's entry for the backend
+
+
 def backend_fingerprint(backend: str) -> dict:
     """The buffer-fingerprint entry for ``backend`` (empty for ``minilm``: its buffers' names stay as they were)."""
     if backend == "minilm":
         return {}
     version = {"minilm-onnx-int8": EXPORT_VERSION, "bm25": BM25_VERSION}[check_backend(backend)]
-    return {"retrieval.embedder": f"{backend}/v{version}"}
+    return {BACKEND_KEY: f"{backend}/v{version}"}
 
 
 def check_backend(backend: str) -> str:

@@ -206,6 +206,32 @@ class MilvusStepStore:
             for hits in res
         ]
 
+    def steps(self, question_ids: Sequence[str]) -> list[StoredStep]:
+        """Every stored step of ``question_ids``, as ``StoredStep`` (the key as stored: its last KEY_CHARS)."""
+        out: list[StoredStep] = []
+        fields = ["key", "value", "value_ids", "reward", "question_id", "step_index", "source"]
+        ids = list(question_ids)
+        for i in range(0, len(ids), 256):
+            expr = f"question_id in {json.dumps(ids[i : i + 256])}"
+            it = self.client.query_iterator(self.collection, batch_size=1000, filter=expr, output_fields=fields)
+            try:
+                while rows := it.next():
+                    out.extend(
+                        StoredStep(
+                            r["key"],
+                            r["value"],
+                            json.loads(r["value_ids"]),
+                            float(r["reward"]),
+                            r["question_id"],
+                            int(r["step_index"]),
+                            r["source"],
+                        )
+                        for r in rows
+                    )
+            finally:
+                it.close()
+        return sorted(out, key=lambda s: (s.question_id, s.step_index, step_id(s)))
+
     def count(self) -> int:
         return int(self.client.get_collection_stats(self.collection)["row_count"])
 

@@ -3,6 +3,7 @@ the replica index, a killed server, a cut-short index file, the search tool's do
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
@@ -359,3 +360,52 @@ def test_each_backend_answers_the_same_after_a_restart_from_milvus(tmp_path, bac
         for r in replicas:
             r.store.close()
         server.stop()
+
+
+def test_a_buffer_for_another_backend_takes_its_siblings_steps_instead_of_sampling(tiny_cfg, tiny_model_dir, tmp_path):
+    """The steps of a BM25 buffer, re-embedded for MiniLM: the same steps, MiniLM key vectors, nothing sampled (a
+    sample would need Ray, which this test does not start)."""
+    from dataclasses import replace
+
+    from rapo_ray.envs.suite import task_splits
+    from rapo_ray.pipelines.buffer import (
+        _write_manifest,
+        buffer_fingerprint,
+        build_buffer,
+        manifest_path,
+        with_buffer_collection,
+    )
+    from rapo_ray.retrieval.backends import make_encoder
+    from rapo_ray.retrieval.embedder import DIM, Embedder
+
+    def setup(embedder):
+        cfg = replace(tiny_cfg, run=replace(tiny_cfg.run, artifacts_dir=str(tmp_path)))
+        return with_buffer_collection(replace(cfg, retrieval=replace(cfg.retrieval, embedder=embedder)), tiny_model_dir)
+
+    bm25, minilm = setup("bm25"), setup("minilm")
+    train, _ = task_splits(tiny_cfg.tasks)
+    tasks = train["multihop"][:3]
+    steps = [
+        StoredStep(f"{t.question} history {j}", f"<think>{t.id} {j}</think>", [j, 7], 1.0, t.id, j, "scripted-expert")
+        for t in tasks
+        for j in range(2)
+    ]
+    uri = str(tmp_path / "steps.db")
+    sibling = MilvusStepStore(uri, bm25.retrieval.collection, DIM)
+    sibling.upsert(steps, make_encoder("bm25", "", "last", 1300).embed([s.key for s in steps]))
+    sibling.close()
+    _write_manifest(manifest_path(bm25), {t.id for t in tasks}, buffer_fingerprint(bm25, str(tiny_model_dir)))
+    said = []
+    report = build_buffer(minilm, str(tiny_model_dir), uri, tasks, manifest_path(minilm), log=said.append)
+    assert report.reindexed == 3 and report.steps == 6 and report.trajectories == 0
+    assert any("6 steps of 3 questions taken from" in line for line in said), said
+    store = MilvusStepStore(uri, minilm.retrieval.collection, DIM, create=False)
+    try:
+        assert store.steps([t.id for t in tasks]) == sorted(steps, key=lambda s: (s.question_id, s.step_index))
+        hit = store.search(Embedder().embed([steps[3].key]), top_k=1)[0][0]  # a MiniLM vector finds its own key
+        assert hit.value == steps[3].value and hit.score == pytest.approx(1.0, abs=1e-4)
+    finally:
+        store.close()
+    manifest = json.loads(manifest_path(minilm).read_text())
+    assert set(manifest["questions"]) == {t.id for t in tasks}
+    assert manifest["built_for"] == buffer_fingerprint(minilm, str(tiny_model_dir))

@@ -16,10 +16,14 @@ from rapo_ray.pipelines.buffer import (
     PolicySampler,
     SolutionSampler,
     StepSampler,
+    _write_manifest,
     buffer_collection,
+    buffer_fingerprint,
     buffer_questions,
     buffer_source,
     build_buffer,
+    manifest_path,
+    sibling_buffer,
     with_buffer_collection,
 )
 from rapo_ray.pipelines.sft import expert_trajectories
@@ -174,3 +178,25 @@ def test_solution_sampler_writes_human_calculator_steps_as_tool_calls(
     stranger = replace(tasks[0], id="gsm-999")
     with pytest.raises(DataError, match="gsm-999 has no solution in tasks.data_files"):
         sampler.trajectories([stranger], 1)
+
+
+def test_a_sibling_buffer_is_the_same_setup_with_another_backend(tiny_cfg, tiny_model_dir, tmp_path):
+    def setup(**retrieval):
+        cfg = replace(tiny_cfg, run=replace(tiny_cfg.run, artifacts_dir=str(tmp_path)))
+        return with_buffer_collection(replace(cfg, retrieval=replace(cfg.retrieval, **retrieval)), str(tiny_model_dir))
+
+    def write(cfg, questions):
+        manifest = manifest_path(cfg)
+        _write_manifest(manifest, set(questions), buffer_fingerprint(cfg, str(tiny_model_dir)))
+        return manifest
+
+    bm25, minilm = setup(embedder="bm25"), setup(embedder="minilm")
+    ours = manifest_path(bm25)
+    fingerprint = buffer_fingerprint(bm25, str(tiny_model_dir))
+    assert sibling_buffer(ours, fingerprint) is None  # nothing else built yet
+    write(setup(embedder="minilm", buffer_keep_top_k=1), ["q1", "q2", "q3"])  # other steps: never a sibling
+    write(bm25, ["q9"])  # its own manifest is not its sibling
+    assert sibling_buffer(ours, fingerprint) is None
+    write(minilm, ["q1", "q2"])
+    (tmp_path / "milvus" / "manifest-broken.json").write_text("{not json")  # skipped, not an error here
+    assert sibling_buffer(ours, fingerprint) == (minilm.retrieval.collection, {"q1", "q2"})
