@@ -4,6 +4,7 @@ index, the hashed term vectors, the int8 ONNX MiniLM against torch's, the regist
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -55,8 +56,28 @@ def test_bm25_scores_equal_hand_computed_values():
         Bm25Index(k1=-1)
 
 
+def _bm25s_without_numba():
+    """The oracle (dev extra), imported with numba hidden: bm25s loads numba and llvmlite when it can, and llvmlite's
+    objects in ``sys.modules`` break vLLM 0.32's kernel-override scan (``vllm/triton_utils/dispatcher.py``:
+    AttributeError on llvmlite's ``_lib_fn_wrapper``) for a vLLM engine started later in the same pytest process."""
+    saved = sys.modules.get("numba", _MISSING)
+    sys.modules["numba"] = None  # "import numba" raises ImportError: bm25s falls back to numpy
+    try:
+        import bm25s
+    finally:
+        if saved is _MISSING:
+            del sys.modules["numba"]
+        else:
+            sys.modules["numba"] = saved
+    return bm25s
+
+
+_MISSING = object()
+
+
 def test_bm25_scores_equal_bm25s_on_agent_histories():
-    import bm25s  # the oracle (dev extra)
+    bm25s = _bm25s_without_numba()
+    assert "llvmlite" not in sys.modules or "numba" in sys.modules  # numba (and llvmlite) kept out where absent
 
     index = Bm25Index()
     for row, text in enumerate(HISTORIES):
