@@ -44,7 +44,7 @@ from rapo_ray.pipelines.sft import expert_trajectories
 from rapo_ray.retrieval.backends import BACKEND_KEY, backend_fingerprint, make_encoder, prepare_backend
 from rapo_ray.retrieval.embedder import DIM, EMBEDDER_VERSION
 from rapo_ray.retrieval.search_index import search_index_for
-from rapo_ray.retrieval.store import MilvusStepStore
+from rapo_ray.retrieval.store import KEY_CHARS, MilvusStepStore
 from rapo_ray.types.trajectory import GENERATED, ON_POLICY, TOOL_RESULT, Task, Trajectory
 
 _STEP_COLUMNS = ("key", "value", "value_ids", "reward", "question_id", "step_index", "source", "traj_id")
@@ -362,8 +362,8 @@ def sibling_buffer(manifest: Path, fingerprint: dict) -> tuple[str, set[str]] | 
 
 
 def _reindex(cfg, uri: str, sibling: str, question_ids: list[str], store: MilvusStepStore) -> list[StoredStep]:
-    """Copy ``question_ids``' steps from collection ``sibling`` into ``store``, their keys embedded by this run's
-    backend (the stored key is the history the encoder reads: it keeps more than ``query_max_chars``)."""
+    """Copy ``question_ids``' steps from collection ``sibling`` into ``store``, their stored keys embedded by this
+    run's backend."""
     source = MilvusStepStore(uri, sibling, DIM, token=cfg.retrieval.milvus_token, create=False)
     try:
         steps = source.steps(question_ids)
@@ -398,7 +398,9 @@ def build_buffer(cfg, model_dir: str, uri: str, tasks: list, manifest: Path, log
     todo = [t for t in tasks if t.id not in done]
     store = MilvusStepStore(uri, collection, DIM, token=cfg.retrieval.milvus_token)
     report = BufferReport(len(tasks), 0, 0, 0, len(tasks) - len(todo), 0.0)
-    sibling = sibling_buffer(manifest, fingerprint) if todo else None
+    # a sibling's stored keys keep their last KEY_CHARS characters: enough only where the encoder reads no more
+    reusable = todo and cfg.retrieval.query_max_chars <= KEY_CHARS
+    sibling = sibling_buffer(manifest, fingerprint) if reusable else None
     if sibling is not None:
         name, finished = sibling
         copied = [t.id for t in todo if t.id in finished]

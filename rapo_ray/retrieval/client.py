@@ -38,7 +38,7 @@ class HandleStepRetriever:
 
     Calls from several threads at once (the per-trajectory schedule retrieves for each trajectory in its own
     thread) are coalesced: while one request is in flight, the calls that arrive wait, and go out together as the
-    next request. Each Serve request costs ~3 ms of CPU between caller and replica whatever its size, so one
+    next request. A Serve request costs the caller and the replica a fixed amount of CPU whatever its size, so one
     request for many queries is what keeps many concurrent callers fast; a lone call is sent at once, with no wait.
     ``coalesce=False`` sends one request per call.
     """
