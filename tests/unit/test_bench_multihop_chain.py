@@ -17,6 +17,14 @@ def step(query: str) -> tuple[str, str]:
     return GENERATED, f"<think>find it</think><search>{query}</search>"
 
 
+CHAIN = [  # every hop searched as planned, each with its result
+    step("neighbor of Ramiga"),
+    (TOOL_RESULT, R1),
+    step("sibling of Repave"),
+    (TOOL_RESULT, R2),
+    step("rival of Nesido"),
+    (TOOL_RESULT, R3),
+]
 ANSWER = (GENERATED, "<think>done</think><answer>\\boxed{Logapa}</answer>")
 
 
@@ -24,28 +32,12 @@ ANSWER = (GENERATED, "<think>done</think><answer>\\boxed{Logapa}</answer>")
     ("segments", "correct", "expected"),
     [
         (
-            [
-                step("neighbor of Ramiga"),
-                (TOOL_RESULT, R1),
-                step("sibling of Repave"),
-                (TOOL_RESULT, R2),
-                step("rival of Nesido"),
-                (TOOL_RESULT, R3),
-                ANSWER,
-            ],
+            [*CHAIN, ANSWER],
             True,
             "correct",
         ),
         (
-            [
-                step("neighbor of Ramiga"),
-                (TOOL_RESULT, R1),
-                step("sibling of Repave"),
-                (TOOL_RESULT, R2),
-                step("rival of Nesido"),
-                (TOOL_RESULT, R3),
-                ANSWER,
-            ],
+            [*CHAIN, ANSWER],
             False,
             "right chain, wrong answer",
         ),
@@ -66,15 +58,7 @@ ANSWER = (GENERATED, "<think>done</think><answer>\\boxed{Logapa}</answer>")
         ([step("neighbor of Ramiga"), (TOOL_RESULT, R1), ANSWER], False, "answered after hop 1"),
         ([step("the neighbor")], False, "hop 1: malformed"),
         (
-            [
-                step("neighbor of Ramiga"),
-                (TOOL_RESULT, R1),
-                step("sibling of Repave"),
-                (TOOL_RESULT, R2),
-                step("rival of Nesido"),
-                (TOOL_RESULT, R3),
-                step("rival of Logapa"),
-            ],
+            [*CHAIN, step("rival of Logapa")],
             False,
             "extra search",
         ),
