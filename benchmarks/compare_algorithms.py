@@ -26,18 +26,21 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import yaml
+from box_load import BoxLoad
 
 from rapo_ray.agent.evaluation import paired_change
 from rapo_ray.agent.turns import answer_handed
 from rapo_ray.config import load_config
 from rapo_ray.config.load import diff_configs, flat_config, from_dict, to_dict
 from rapo_ray.core.devices import machine_record
+from rapo_ray.core.files import write_json_atomic
 from rapo_ray.envs import tasks as bundled
 from rapo_ray.model.factory import load_tokenizer, resolve_model_dir
 from rapo_ray.pipelines.sft import warm_start_dir
 from rapo_ray.types import protocol
 
 REPO = Path(__file__).resolve().parents[1]
+BOX_LOAD = "box_load.json"  # in a run's folder: the box's CPU states and other processes while it ran
 
 METHODS = {
     "grpo": ["algo.name=grpo"],
@@ -112,12 +115,19 @@ def train_once(name: str, overrides: list[str], seed: int, args, out: Path) -> P
     t0 = time.perf_counter()
     log = out / "logs" / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
+    load = BoxLoad().start()  # what else ran meanwhile: leftovers of the run before, the box's steal
     with open(log, "w") as f:
         rc = subprocess.run([*cmd, *run_overrides], stdout=f, stderr=subprocess.STDOUT, cwd=REPO).returncode
+    box = load.stop()
     if rc != 0:
         print(f"{name}: FAILED (exit {rc}); see {log}", flush=True)
         return None
-    print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
+    write_json_atomic(run_dir / BOX_LOAD, box)
+    print(
+        f"{name}: {time.perf_counter() - t0:.0f} s (CPU time stolen {box['states']['steal']:.1%}; "
+        f"processes older than the run {box['older_cpu_s']:.0f} CPU-s)",
+        flush=True,
+    )
     return run_dir
 
 
@@ -168,6 +178,7 @@ def run_one(method: str, seed: int, args, out: Path) -> dict | None:
         "slot_success": slot_success(run_dir),
         "retrieved_wins": retrieved_wins(run_dir),
         "retrieved_steps": retrieved_step_use(run_dir),
+        "box": json.loads(box.read_text()) if (box := run_dir / BOX_LOAD).is_file() else None,
         # problem id -> solved after training (greedy, held-out): the paired test between methods
         "after_problems": json.loads(after.read_text()).get("problems", {})
         if (after := run_dir / "eval_after.json").is_file()

@@ -41,6 +41,12 @@ def step_id(step: StoredStep) -> str:
     return h[:32]
 
 
+# pymilvus pings the server every 10 s, calls or not; a gRPC server (milvus-lite's included) by default takes one ping
+# per 5 minutes without data and answers more with a GOAWAY, which gRPC logs as an error on the job's console. The
+# driver calls the store once per step or less, so: keep-alive pings only during calls, and no more often than that.
+GRPC_OPTIONS = {"grpc.keepalive_time_ms": 300_000, "grpc.keepalive_permit_without_calls": False}
+
+
 def _connect(uri: str, token: str = "", timeout_s: float = 10.0):
     from pymilvus import MilvusClient
 
@@ -55,7 +61,7 @@ def _connect(uri: str, token: str = "", timeout_s: float = 10.0):
     else:
         Path(uri).parent.mkdir(parents=True, exist_ok=True)
     try:
-        return MilvusClient(uri=uri, token=token, timeout=timeout_s)
+        return MilvusClient(uri=uri, token=token, timeout=timeout_s, grpc_options=GRPC_OPTIONS)
     except Exception as exc:
         raise StoreError(f"cannot connect to Milvus at {uri}: {type(exc).__name__}: {exc}") from None
 

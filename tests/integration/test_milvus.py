@@ -11,7 +11,7 @@ import pytest
 
 from rapo_ray.agent.retriever import StoredStep
 from rapo_ray.core.errors import StoreError
-from rapo_ray.retrieval.store import MilvusLiteServer, MilvusStepStore
+from rapo_ray.retrieval.store import GRPC_OPTIONS, MilvusLiteServer, MilvusStepStore
 
 
 def _unit(n, d, seed):
@@ -63,6 +63,17 @@ def test_round_trip_recall_and_idempotence(lite):
     own = store.search(queries[:5], top_k=2, question_filter=[("own", q) for q in qids[:4]] + [None])
     assert all(len(row) == 2 and h.question_id == q for row, q in zip(own[:4], qids) for h in row)
     assert own[4][0].value == hits[4][0].value  # no filter: the plain nearest row
+    store.close()
+
+
+def test_the_store_client_pings_no_more_often_than_a_grpc_server_accepts(lite):
+    """pymilvus's own keep-alive (a ping every 10 s, calls or not) made milvus-lite answer with a GOAWAY after about
+    100 s idle, logged as an error on the job's console; the store's connection asks for less. The console line itself
+    takes minutes to show, so this checks that the options reach pymilvus's channel (its handler keeps them)."""
+    store = MilvusStepStore(lite, "pings", dim=4)
+    options = store.client._get_connection()._grpc_options
+    assert options == GRPC_OPTIONS
+    assert options["grpc.keepalive_time_ms"] >= 300_000 and not options["grpc.keepalive_permit_without_calls"]
     store.close()
 
 
