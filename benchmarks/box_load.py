@@ -1,5 +1,5 @@
-"""What else used the box's CPUs while a benchmark ran: the kernel's CPU time per state (user, nice, system, idle, steal, ...)
-and each process's CPU seconds, sampled every few seconds.
+"""What else used the box's CPUs while a benchmark ran: the kernel's CPU time per state (user, nice, system, idle,
+steal, ...) and each process's CPU seconds, sampled every few seconds.
 
     python benchmarks/box_load.py --out box.jsonl [--interval 2] [--seconds 600]
     python benchmarks/box_load.py --speed --out speed.json [--interval 1] [--seconds 90]    # the box's own speed
@@ -84,7 +84,8 @@ class BoxLoad:
             self.samples.append(self.sample())
 
     def sample(self) -> dict:
-        """One interval: {"t": seconds since start, "wall": epoch seconds, "states": {state: share of CPU time}, "top": [processes]}."""
+        """One interval: {"t": seconds since start, "wall": epoch seconds, "states": {state: share of CPU time},
+        "top": [the processes that used the most CPU in it]}."""
         states, procs = cpu_states(), process_cpu()
         used = []
         for key, (cpu, command) in procs.items():
@@ -141,6 +142,8 @@ def speed_round(loop: int = 1_000_000, matmuls: int = 100) -> dict[str, float]:
 
 def speed(seconds: float, interval: float) -> dict:
     """``speed_round()`` every ``interval`` seconds for ``seconds``: each round, and the spread (max / min)."""
+    if not seconds > 0 or not interval > 0:
+        raise ValueError(f"box speed: seconds and interval must be > 0, got seconds={seconds}, interval={interval}")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     rounds = []
@@ -170,6 +173,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=3600.0, help="stop after this long")
     ap.add_argument("--speed", action="store_true", help="time a fixed workload each interval instead (idle box)")
     args = ap.parse_args()
+    if not args.seconds > 0 or not args.interval > 0:
+        ap.error(f"--seconds and --interval must be > 0 (got {args.seconds} and {args.interval})")
     if args.speed:
         result = speed(args.seconds, args.interval)
         write_json_atomic(args.out, result)

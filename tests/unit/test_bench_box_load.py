@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from tests.helpers import benchmark_module
@@ -51,3 +52,9 @@ def test_the_speed_rounds_time_the_same_work_and_summarise_its_spread():
         assert spread["min"] == min(values) and spread["max"] == max(values)
         assert spread["min"] <= spread["median"] <= spread["max"]
         assert spread["max_over_min"] == round(max(values) / min(values), 2)
+
+
+def test_a_speed_window_that_cannot_hold_a_round_is_a_clear_error():
+    box_load = benchmark_module("box_load")
+    with pytest.raises(ValueError, match="seconds and interval must be > 0, got seconds=0"):
+        box_load.speed(seconds=0, interval=0.5)
