@@ -25,6 +25,8 @@ from rapo_ray.core.devices import machine_record
 from rapo_ray.core.files import write_json_atomic
 
 STATES = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")  # Ray runs its workers niced
+# the probe's fixed work: a fifth of speed_round's, a few tens of ms of one core, so a probe a second costs little
+PROBE_LOOP, PROBE_MATMULS = 200_000, 20
 
 
 def cpu_states() -> dict[str, float]:
@@ -58,13 +60,19 @@ class BoxLoad:
     A process's CPU seconds are counted from the first sample that sees it (a process new since the last sample is
     counted whole), so a process that starts and ends between two samples is missed: keep the interval short next to
     the processes that matter.
+
+    With ``probe_interval``, a second thread times a small fixed workload (``speed_round``) that often: the box's
+    speed while the benchmark ran, to divide a timing by. The probe runs at this process's priority, above Ray's
+    workers (nice 15), so on a busy box it measures the host's speed more than the benchmark's own load.
     """
 
-    def __init__(self, interval: float = 2.0, top: int = 8):
-        self.interval, self.top = interval, top
+    def __init__(self, interval: float = 2.0, top: int = 8, probe_interval: float | None = None):
+        self.interval, self.top, self.probe_interval = interval, top, probe_interval
         self.samples: list[dict] = []
+        self.speed_rounds: list[dict] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._probe: threading.Thread | None = None
 
     def start(self) -> BoxLoad:
         self._t0 = time.monotonic()
@@ -73,15 +81,24 @@ class BoxLoad:
         self._older = set(self._procs)  # processes that were running before the window opened
         self._seconds_by_command: dict[str, float] = {}
         self._older_seconds_by_command: dict[str, float] = {}
-        self.samples = []
+        self.samples, self.speed_rounds = [], []
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="box-load", daemon=True)
         self._thread.start()
+        if self.probe_interval:
+            self._torch_threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # the matmuls on one thread, as speed() times them
+            self._probe = threading.Thread(target=self._run_probe, name="box-speed", daemon=True)
+            self._probe.start()
         return self
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             self.samples.append(self.sample())
+
+    def _run_probe(self) -> None:
+        while not self._stop.wait(self.probe_interval):
+            self.speed_rounds.append({"wall": round(time.time(), 2), **speed_round(PROBE_LOOP, PROBE_MATMULS)})
 
     def sample(self) -> dict:
         """One interval: {"t": seconds since start, "wall": epoch seconds, "states": {state: share of CPU time},
@@ -107,10 +124,15 @@ class BoxLoad:
 
     def stop(self) -> dict:
         """The whole window: {"seconds", "states": share of CPU time per state, "top_commands": by CPU seconds,
-        "older_cpu_s": CPU seconds of the processes already running when it opened, "older_top_commands"}."""
+        "older_cpu_s": CPU seconds of the processes already running when it opened, "older_top_commands"}, and with
+        a probe "speed_rounds": [{"wall": epoch seconds at its start, "python_s", "matmul_s"}]."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        if self._probe is not None:
+            self._probe.join()
+            self._probe = None
+            torch.set_num_threads(self._torch_threads)
         self.samples.append(self.sample())
         return {
             "seconds": round(time.monotonic() - self._t0, 1),
@@ -118,6 +140,7 @@ class BoxLoad:
             "top_commands": self._ranked(self._seconds_by_command),
             "older_cpu_s": round(sum(self._older_seconds_by_command.values()), 1),
             "older_top_commands": self._ranked(self._older_seconds_by_command),
+            **({"speed_rounds": self.speed_rounds} if self.probe_interval else {}),
         }
 
     def _ranked(self, seconds_by_command: dict[str, float]) -> list[dict]:

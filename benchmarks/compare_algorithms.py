@@ -7,8 +7,13 @@
 Every run is `jobs/train.py` with the same model, warm start (or cold start), buffer, data, steps, prompts per
 step and rollouts per prompt; only the algorithm differs. Without --config, the bundled default job with
 --steps 30 --prompts 4 --eval-size 100; with it, the config's own values unless given. Runs already finished
-(summary.json present) are reused, so an interrupted comparison continues where it stopped. Writes the JSON
-report, the curves (per step and per wall-clock second) and prints the markdown tables that docs/RESULTS.md holds.
+(summary.json present) are reused, so an interrupted comparison continues where it stopped; --include-report adds
+the runs of an earlier report of the same experiment (seeds run elsewhere). Writes the JSON report, the curves (per
+step and per wall-clock second) and prints the markdown tables that docs/RESULTS.md holds.
+
+Each run's step time is also given in units of the box's speed, timed by a small fixed workload every second while
+the run goes (box_load.BoxLoad's probe): on a shared VM the host's speed drifts enough within minutes to swamp a
+step-time ratio between two runs, and dividing by the probe removes as much of that drift as the probe shares.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ from rapo_ray.types import protocol
 
 REPO = Path(__file__).resolve().parents[1]
 BOX_LOAD = "box_load.json"  # in a run's folder: the box's CPU states and other processes while it ran
+PROBE_INTERVAL_S = 1.0  # how often the box's speed is timed during a run (box_load.speed_round, small)
+PROBES = ("python_s", "matmul_s")  # the probe's two timings: a Python loop and float32 matmuls on one thread
 
 METHODS = {
     "grpo": ["algo.name=grpo"],
@@ -115,7 +122,8 @@ def train_once(name: str, overrides: list[str], seed: int, args, out: Path) -> P
     t0 = time.perf_counter()
     log = out / "logs" / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    load = BoxLoad().start()  # what else ran meanwhile: leftovers of the run before, the box's steal
+    # what else ran meanwhile (leftovers of the run before, the box's steal), and the box's own speed each second
+    load = BoxLoad(probe_interval=PROBE_INTERVAL_S).start()
     with open(log, "w") as f:
         rc = subprocess.run([*cmd, *run_overrides], stdout=f, stderr=subprocess.STDOUT, cwd=REPO).returncode
     box = load.stop()
@@ -159,6 +167,7 @@ def run_one(method: str, seed: int, args, out: Path) -> dict | None:
     summary = json.loads((run_dir / "summary.json").read_text())
     metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "reward" in m]
+    box_record = json.loads(box.read_text()) if (box := run_dir / BOX_LOAD).is_file() else {}
     return {
         "method": method,
         "seed": seed,
@@ -169,6 +178,8 @@ def run_one(method: str, seed: int, args, out: Path) -> dict | None:
         "wall": list(itertools.accumulate(m["step_s"] for m in steps)),  # seconds of training after each step
         "group_size": yaml.safe_load((run_dir / "config.yaml").read_text())["algo"]["group_size"],
         "per_step": {k: statistics.median(m[k] for m in steps) for k in STEP_KEYS if steps and k in steps[0]},
+        # the step's seconds divided by the box's speed while it ran: comparable across runs on a drifting host
+        "per_step_in_probes": speed_normalized(steps, box_record.get("speed_rounds", [])),
         # algo.max_staleness >= 1: the rollouts made during updates and the wait for the learners after them
         "pipelining": {
             k: statistics.median(m[k] for m in steps if k in m) for k in PIPELINE_KEYS if any(k in m for m in steps)
@@ -178,12 +189,33 @@ def run_one(method: str, seed: int, args, out: Path) -> dict | None:
         "slot_success": slot_success(run_dir),
         "retrieved_wins": retrieved_wins(run_dir),
         "retrieved_steps": retrieved_step_use(run_dir),
-        "box": json.loads(box.read_text()) if (box := run_dir / BOX_LOAD).is_file() else None,
+        "box": {k: v for k, v in box_record.items() if k != "speed_rounds"} or None,
         # problem id -> solved after training (greedy, held-out): the paired test between methods
         "after_problems": json.loads(after.read_text()).get("problems", {})
         if (after := run_dir / "eval_after.json").is_file()
         else {},
     }
+
+
+def speed_normalized(steps: list[dict], rounds: list[dict]) -> dict[str, float]:
+    """The run's median step in units of the box's speed probe: for each step (``time``: when it ended, ``step_s``)
+    its seconds over the mean probe time of the rounds that started within it (the nearest round where none did),
+    per probe (``PROBES``). Identical work then measures the same on a host that ran it 1.3x slower, as far as the
+    probe slowed alike. Empty without probe rounds or step times (runs from before either was recorded)."""
+    timed = [m for m in steps if "time" in m]
+    if not rounds or not timed:
+        return {}
+    out = {}
+    for probe in PROBES:
+        ratios = []
+        for m in timed:
+            start, end = m["time"] - m["step_s"], m["time"]
+            inside = [r[probe] for r in rounds if start <= r["wall"] <= end]
+            if not inside:
+                inside = [min(rounds, key=lambda r: abs(r["wall"] - (start + end) / 2))[probe]]
+            ratios.append(m["step_s"] / statistics.mean(inside))
+        out[probe] = round(statistics.median(ratios), 2)
+    return out
 
 
 def slot_success(run_dir: Path) -> dict:
@@ -378,6 +410,7 @@ def tables(results: list[dict]) -> str:
                 + " | ".join(f"{c:.0f}" for c in cell[6:])
                 + " |"
             )
+    lines += probe_table(results)
     lines += ["", "| method | on-policy slot reward | hybrid slot reward | retrieval reward Z |", "|---|---|---|---|"]
     for method in METHODS:
         rs = [r for r in results if r["method"] == method and r.get("rewards")]
@@ -417,6 +450,33 @@ def tables(results: list[dict]) -> str:
         ],
     )
     return "\n".join(lines)
+
+
+def probe_table(results: list[dict]) -> list[str]:
+    """The step in units of the box's speed probe (``speed_normalized``), per method, and its ratio to GRPO's: the
+    step-time comparison with the host's drift divided out. Only the runs with probe rounds count."""
+    probed = [r for r in results if r.get("per_step_in_probes")]
+    if not probed:
+        return []
+    lines = [
+        "",
+        "| method | runs with a probe | step s | vs grpo | step / Python-loop probe | vs grpo | step / matmul probe | "
+        "vs grpo |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    cols = [lambda r: r["per_step"]["step_s"], *(lambda r, p=p: r["per_step_in_probes"][p] for p in PROBES)]
+    grpo = [r for r in probed if r["method"] == "grpo"]
+    for method in METHODS:
+        rs = [r for r in probed if r["method"] == method]
+        if not rs:
+            continue
+        cells = []
+        for col in cols:
+            value = statistics.mean(col(r) for r in rs)
+            ratio = f"{value / statistics.mean(col(r) for r in grpo):.2f}x" if grpo else "-"
+            cells += [f"{value:.2f}", ratio]
+        lines.append(f"| {method} | {len(rs)} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def family_table(results: list[dict], field: str, columns: list[tuple[str, str, bool]]) -> list[str]:
@@ -465,6 +525,29 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def included_runs(paths: list[str], args, results: list[dict]) -> list[dict]:
+    """The runs of the earlier reports ``paths`` that ``results`` lacks (by method and seed). A report of another
+    config, budget or overrides than ``args`` is refused: its runs are not the same experiment."""
+    have = {(r["method"], r["seed"]) for r in results}
+    ours = {"config": args.config, "steps": args.steps, "prompts_per_step": args.prompts}
+    ours |= {"eval_size": args.eval_size, "overrides": args.overrides}
+    out = []
+    for path in paths:
+        try:
+            report = json.loads(Path(path).read_text())
+            runs = report["runs"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SystemExit(f"--include-report {path}: not a compare_algorithms report ({exc})") from None
+        differ = {k: report.get(k) for k, v in ours.items() if report.get(k) != v}
+        if differ:
+            raise SystemExit(f"--include-report {path}: another experiment ({differ}; this one: {ours})")
+        for run in runs:
+            if (run["method"], run["seed"]) not in have:
+                have.add((run["method"], run["seed"]))
+                out.append(run)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=None, help="a recipe for every run (jobs/train.py --config)")
@@ -480,6 +563,13 @@ def main() -> int:
         default=str(REPO / "benchmarks" / "results" / "compare.json"),
         help="where the JSON report goes; the curves PNG goes beside it unless it is the default (docs/)",
     )
+    ap.add_argument(
+        "--include-report",
+        action="append",
+        default=[],
+        help="an earlier report of the same config whose runs join this one's tables (repeatable; a method and seed "
+        "run here replaces the earlier one): seeds run elsewhere, or before the run folders were lost",
+    )
     ap.add_argument("overrides", nargs="*", help="extra config overrides applied to every run")
     args = ap.parse_args()
     if not args.config:  # the bundled default job's comparison budget
@@ -494,6 +584,7 @@ def main() -> int:
         for method in run_order(methods, turn):
             r = run_one(method, seed, args, out)
             (results.append(r) if r is not None else failed.append(f"{method} seed {seed}"))
+    results += included_runs(args.include_report, args, results)
     report = {
         "config": args.config,
         "machine": machine_record(),

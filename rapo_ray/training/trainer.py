@@ -158,6 +158,7 @@ class Trainer:
             cfg.learner.ppo_epochs,
             workers=len(self.fleet.workers),
         )
+        m["time"] = round(time.time(), 3)  # when the step ended (epoch s): lines a step up with other records
         if inserted is not None:
             m["inserted_steps"] = max(inserted, 0)
             m["insert_errors"] = int(inserted < 0)

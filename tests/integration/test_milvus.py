@@ -4,6 +4,7 @@ the replica index, a killed server, a cut-short index file, the search tool's do
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import numpy as np
@@ -11,7 +12,8 @@ import pytest
 
 from rapo_ray.agent.retriever import StoredStep
 from rapo_ray.core.errors import StoreError
-from rapo_ray.retrieval.store import GRPC_OPTIONS, MilvusLiteServer, MilvusStepStore
+from rapo_ray.retrieval.replica_index import ReplicaIndex
+from rapo_ray.retrieval.store import GRPC_OPTIONS, KEY_CHARS, MilvusLiteServer, MilvusStepStore, step_rows
 
 
 def _unit(n, d, seed):
@@ -77,9 +79,28 @@ def test_the_store_client_pings_no_more_often_than_a_grpc_server_accepts(lite):
     store.close()
 
 
+def test_copying_a_collection_prints_no_client_timestamp_warning(lite):
+    """A replica copies the buffer with pymilvus's query iterator, which warned at every copy that milvus-lite gave
+    no MVCC timestamp (a line on the job's console: pymilvus's logger writes to stderr itself). The copy is whole,
+    that warning is gone, and the iterator's other warnings still pass."""
+    store = MilvusStepStore(lite, "copy_quiet", dim=8)  # (pymilvus configures its loggers on connecting)
+    store.upsert(_steps(30), _unit(30, 8, 0))
+    store.flush()
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    iterator_log = logging.getLogger("pymilvus.client.iterator.query_iterator")
+    iterator_log.addHandler(handler)
+    try:
+        assert len(ReplicaIndex.from_store(store, batch_size=10)) == 30
+        iterator_log.warning("another warning")
+    finally:
+        iterator_log.removeHandler(handler)
+        store.close()
+    assert [r.getMessage() for r in records] == ["another warning"]
+
+
 def test_replica_index_matches_brute_force_and_milvus(lite):
-    from rapo_ray.retrieval.replica_index import ReplicaIndex
-    from rapo_ray.retrieval.store import step_rows
 
     store = MilvusStepStore(lite, "replica", dim=16)
     vec, steps = _unit(400, 16, 0), _steps(400)
@@ -127,9 +148,6 @@ def test_replica_index_matches_brute_force_and_milvus(lite):
 def test_replica_index_hands_back_stored_vectors_of_queries_equal_to_a_key():
     """``key_vectors``: a query whose embedded text (here: its last 4 characters) equals a stored key's gets that
     row's vector; other queries, keys the store may have cut, and an index without ``key_text`` get None."""
-    from rapo_ray.retrieval.replica_index import ReplicaIndex
-    from rapo_ray.retrieval.store import KEY_CHARS
-
     vec = _unit(3, 16, 2)
     payloads = [("v", "[]", 1.0, "q")] * 3
     keys = ["history 1 ab", "history 2 cd", "x" * KEY_CHARS]  # the last one may have been cut: never matched
@@ -311,8 +329,6 @@ def test_search_tool_over_milvus_for_the_bundled_corpus(tmp_path, tiny_cfg):
 
 
 def test_equal_scores_are_broken_by_row_id_whatever_order_the_rows_were_loaded_in():
-    from rapo_ray.retrieval.replica_index import ReplicaIndex
-
     ids = [f"s{i}" for i in range(6)]
     vec = np.tile(np.eye(1, 4, dtype=np.float32), (6, 1))  # every row scores the same
     payloads = [(f"value {i}", "[]", 1.0, f"q{i % 2}") for i in range(6)]

@@ -58,3 +58,18 @@ def test_a_speed_window_that_cannot_hold_a_round_is_a_clear_error():
     box_load = benchmark_module("box_load")
     with pytest.raises(ValueError, match="seconds and interval must be > 0, got seconds=0"):
         box_load.speed(seconds=0, interval=0.5)
+
+
+def test_the_probe_times_the_fixed_work_while_the_window_is_open():
+    box_load = benchmark_module("box_load")
+    threads = torch.get_num_threads()
+    load = box_load.BoxLoad(interval=0.2, probe_interval=0.05).start()
+    time.sleep(0.6)
+    summary = load.stop()
+    assert torch.get_num_threads() == threads  # the probe's one thread, then the caller's setting is back
+    rounds = summary["speed_rounds"]
+    assert len(rounds) >= 2 and rounds == load.speed_rounds
+    assert all(r["python_s"] > 0 and r["matmul_s"] > 0 for r in rounds)
+    walls = [r["wall"] for r in rounds]
+    assert walls == sorted(walls) and walls[-1] - walls[0] < 2.0  # stamped as they ran, and stopped with the window
+    assert "speed_rounds" not in box_load.BoxLoad(interval=0.2).start().stop()  # no probe unless asked for

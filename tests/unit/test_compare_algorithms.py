@@ -3,6 +3,11 @@ the arms in, and when it reuses a finished run."""
 
 from __future__ import annotations
 
+import argparse
+import json
+
+import pytest
+
 from rapo_ray.config import load_config
 from rapo_ray.config.load import save_config
 from tests.helpers import compare_module
@@ -153,3 +158,63 @@ def test_each_seed_runs_the_arms_in_a_rotated_order():
         ["rapo bm25", "grpo", "rapo"],
         ["grpo", "rapo", "rapo bm25"],
     ]
+
+
+def test_a_step_is_divided_by_the_probe_rounds_that_started_within_it():
+    """speed_normalized by hand: step 1 (t 100-104) holds rounds at 101 and 103, step 2 (t 105-111) holds none and
+    takes the round nearest its middle (108: the one at 111.5); steps without an end time are left out."""
+    compare = compare_module()
+    steps = [{"step_s": 4.0, "time": 104.0}, {"step_s": 6.0, "time": 111.0}, {"step_s": 9.0}]
+    rounds = [
+        {"wall": 101.0, "python_s": 0.01, "matmul_s": 0.02},
+        {"wall": 103.0, "python_s": 0.03, "matmul_s": 0.02},
+        {"wall": 111.5, "python_s": 0.04, "matmul_s": 0.05},
+    ]
+    # step 1: 4 / 0.02 = 200 (both probes); step 2: the round at 111.5 -> 6 / 0.04 = 150 and 6 / 0.05 = 120
+    assert compare.speed_normalized(steps, rounds) == {"python_s": 175.0, "matmul_s": 160.0}
+    assert compare.speed_normalized(steps, []) == {}
+    assert compare.speed_normalized([{"step_s": 1.0}], rounds) == {}  # a run from before steps had a time
+
+
+def test_the_probe_table_gives_the_step_ratio_with_the_hosts_drift_divided_out():
+    """The same work on a host 1.5x slower: GRPO's raw step is 1.5x, its step in probe units the same."""
+    compare = compare_module()
+
+    def run(method, seed, step_s, python, matmul):
+        return {
+            "method": method,
+            "seed": seed,
+            "per_step": {"step_s": step_s},
+            "per_step_in_probes": {"python_s": python, "matmul_s": matmul},
+        }
+
+    results = [run("grpo", 0, 2.0, 100.0, 50.0), run("rapo", 0, 3.0, 100.0, 50.0), {"method": "rapo", "seed": 1}]
+    text = "\n".join(compare.probe_table(results))
+    assert "| grpo | 1 | 2.00 | 1.00x | 100.00 | 1.00x | 50.00 | 1.00x |" in text
+    assert "| rapo | 1 | 3.00 | 1.50x | 100.00 | 1.00x | 50.00 | 1.00x |" in text  # the run without a probe left out
+    assert compare.probe_table([{"method": "grpo", "seed": 0, "per_step": {"step_s": 1.0}}]) == []
+
+
+def test_an_earlier_report_joins_only_for_the_same_experiment(tmp_path):
+    """--include-report: the earlier report's runs that this one lacks join it; another config or budget is refused
+    with the difference named, and a file that is not a report is named too."""
+    compare = compare_module()
+    args = argparse.Namespace(config="c.yaml", steps=None, prompts=None, eval_size=None, overrides=[])
+    earlier = {
+        "config": "c.yaml",
+        "steps": None,
+        "prompts_per_step": None,
+        "eval_size": None,
+        "overrides": [],
+        "runs": [{"method": "rapo", "seed": 0, "x": "old"}, {"method": "rapo", "seed": 2, "x": "old"}],
+    }
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps(earlier))
+    joined = compare.included_runs([str(path)], args, [{"method": "rapo", "seed": 2, "x": "new"}])
+    assert joined == [{"method": "rapo", "seed": 0, "x": "old"}]  # seed 2 was run here: this run's wins
+    path.write_text(json.dumps(earlier | {"steps": 30}))
+    with pytest.raises(SystemExit, match="another experiment .*'steps': 30"):
+        compare.included_runs([str(path)], args, [])
+    path.write_text("[1, 2]")
+    with pytest.raises(SystemExit, match="not a compare_algorithms report"):
+        compare.included_runs([str(path)], args, [])
