@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -62,8 +63,9 @@ class BoxLoad:
     the processes that matter.
 
     With ``probe_interval``, a second thread times a small fixed workload (``speed_round``) that often: the box's
-    speed while the benchmark ran, to divide a timing by. The probe runs at this process's priority, above Ray's
-    workers (nice 15), so on a busy box it measures the host's speed more than the benchmark's own load.
+    speed while the benchmark ran. The probe runs at this process's priority, above Ray's workers (nice 15), yet it
+    shares the cores with them: the benchmark's own load slows it too (its matmuls most), so it is a record to read
+    beside a timing, not a divisor that corrects one (docs/RESULTS.md, Performance by component).
     """
 
     def __init__(self, interval: float = 2.0, top: int = 8, probe_interval: float | None = None):
@@ -78,7 +80,8 @@ class BoxLoad:
         self._t0 = time.monotonic()
         self._first_states = self._states = cpu_states()
         self._procs = process_cpu()
-        self._older = set(self._procs)  # processes that were running before the window opened
+        # processes that were running before the window opened, other than this one (its probe is the sampler's)
+        self._older = {key for key in self._procs if key[0] != os.getpid()}
         self._seconds_by_command: dict[str, float] = {}
         self._older_seconds_by_command: dict[str, float] = {}
         self.samples, self.speed_rounds = [], []

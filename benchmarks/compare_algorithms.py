@@ -13,7 +13,9 @@ step and per wall-clock second) and prints the markdown tables that docs/RESULTS
 
 Each run's step time is also given in units of the box's speed, timed by a small fixed workload every second while
 the run goes (box_load.BoxLoad's probe): on a shared VM the host's speed drifts enough within minutes to swamp a
-step-time ratio between two runs, and dividing by the probe removes as much of that drift as the probe shares.
+step-time ratio between two runs. The probe shares the cores with the run, so it is a record of the box's speed to
+read beside the raw ratio, not a correction of it: the matmul probe slows with the run's own load (docs/RESULTS.md,
+Performance by component).
 """
 
 from __future__ import annotations
@@ -200,8 +202,8 @@ def run_one(method: str, seed: int, args, out: Path) -> dict | None:
 def speed_normalized(steps: list[dict], rounds: list[dict]) -> dict[str, float]:
     """The run's median step in units of the box's speed probe: for each step (``time``: when it ended, ``step_s``)
     its seconds over the mean probe time of the rounds that started within it (the nearest round where none did),
-    per probe (``PROBES``). Identical work then measures the same on a host that ran it 1.3x slower, as far as the
-    probe slowed alike. Empty without probe rounds or step times (runs from before either was recorded)."""
+    per probe (``PROBES``): identical work measures the same on a host that ran it slower as far as the probe slowed
+    alike, and a run's own load slows the probe too. Empty without probe rounds or step times (older runs)."""
     timed = [m for m in steps if "time" in m]
     if not rounds or not timed:
         return {}

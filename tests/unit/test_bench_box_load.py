@@ -37,6 +37,7 @@ def test_a_process_running_before_the_window_is_counted_as_older():
     assert summary["older_cpu_s"] > 0.2  # a busy loop gets some of the window's second, however loaded the box
     older = {c["command"] for c in summary["older_top_commands"]}
     assert any("while time.time() < end" in c for c in older), summary["older_top_commands"]
+    assert not any("pytest" in c for c in older)  # the sampling process itself is not another process
     assert abs(sum(summary["states"].values()) - 1.0) < 1e-3
 
 
