@@ -180,7 +180,7 @@ def run_one(method: str, seed: int, args, out: Path) -> dict | None:
         "wall": list(itertools.accumulate(m["step_s"] for m in steps)),  # seconds of training after each step
         "group_size": yaml.safe_load((run_dir / "config.yaml").read_text())["algo"]["group_size"],
         "per_step": {k: statistics.median(m[k] for m in steps) for k in STEP_KEYS if steps and k in steps[0]},
-        # the step's seconds divided by the box's speed while it ran: comparable across runs on a drifting host
+        # the step's seconds divided by the box's speed probe while it ran: a record beside step_s, not a correction
         "per_step_in_probes": speed_normalized(steps, box_record.get("speed_rounds", [])),
         # algo.max_staleness >= 1: the rollouts made during updates and the wait for the learners after them
         "pipelining": {
@@ -455,8 +455,9 @@ def tables(results: list[dict]) -> str:
 
 
 def probe_table(results: list[dict]) -> list[str]:
-    """The step in units of the box's speed probe (``speed_normalized``), per method, and its ratio to GRPO's: the
-    step-time comparison with the host's drift divided out. Only the runs with probe rounds count."""
+    """The step in units of the box's speed probe (``speed_normalized``), per method, and its ratio to GRPO's, beside
+    the raw step: the probe slows with the run's own load too, so these ratios are read with the raw one, not instead
+    of it. Only the runs with probe rounds count."""
     probed = [r for r in results if r.get("per_step_in_probes")]
     if not probed:
         return []
