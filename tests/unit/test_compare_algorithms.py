@@ -176,8 +176,9 @@ def test_a_step_is_divided_by_the_probe_rounds_that_started_within_it():
     assert compare.speed_normalized([{"step_s": 1.0}], rounds) == {}  # a run from before steps had a time
 
 
-def test_the_probe_table_gives_the_step_ratio_with_the_hosts_drift_divided_out():
-    """The same work on a host 1.5x slower: GRPO's raw step is 1.5x, its step in probe units the same."""
+def test_the_probe_table_gives_each_step_in_probe_units_beside_the_raw_step_and_their_ratios_to_grpo():
+    """RAPO's raw step is 1.5x GRPO's while its probe time was 1.5x too: in probe units the two read the same. Runs
+    without probe rounds are left out, and without any the table is empty."""
     compare = compare_module()
 
     def run(method, seed, step_s, python, matmul):
