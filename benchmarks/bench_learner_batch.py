@@ -67,7 +67,7 @@ def roundtrip(obj) -> tuple[int, float]:
 def before_payloads(trajs: list[Trajectory]) -> tuple[list, float]:
     """The step's payloads as lists, and the ranks' list-to-tensor time (what ``_collate`` did per micro-batch)."""
     as_lists = [dict(t.__dict__) for t in trajs]  # a dataclass pickles its __dict__: lists of Python numbers
-    rows = micro_batch_rows([len(t.prompt_ids) + len(t.response_ids) for t in trajs], WORLD, MINI // WORLD, False)
+    rows = micro_batch_rows([len(t.prompt_ids) + len(t.response_ids) for t in trajs], WORLD, MINI // WORLD, "row-order")
     old = [[random.random() for _ in t.response_ids] for t in trajs]
     forward_in = [[[as_lists[i] for i in mb] for mb in mbs] for mbs in rows]
     forward_out = [[(old[i], old[i]) for mb in mbs for i in mb] for mbs in rows]

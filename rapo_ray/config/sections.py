@@ -477,15 +477,32 @@ class LearnerConfig:
         "rows x tokens x vocab floats (Qwen2.5's 152k vocab: 0.24 GB per 400-token row in fp32).",
     )
 
+    balanced_micro_batches: bool = option(
+        True,
+        "Deal a batch's rows to ranks and micro-batches by length, so the ranks pad about the same number of tokens "
+        "(types/batch.py, balanced_micro_batches): rows of like length share a micro-batch, and with "
+        "micro_batch_size 0 a rank of long rows gets fewer rows. Ranks wait for the slowest at every collective and a "
+        "padded micro-batch costs rows x its longest row, so a few long rows (RAPO's hybrid rows carry retrieved "
+        "steps) would otherwise hold up every rank they land on. The same update to float tolerance (the loss sums per-token terms over a "
+        "global denominator). false: row i to rank i % world_size, in row order. Applies to the old-policy pass and "
+        "the default learner feed, not to trainer.learner_feed=streaming_split; length_sorted_micro_batches=true "
+        "takes precedence.",
+    )
     length_sorted_micro_batches: bool = option(
         False,
-        "Cut a rank's rows into micro-batches of rows of about the same length (padding within 10% of the real "
-        "tokens; at most micro_batch_size rows each), instead of in row order. The update is the same to float "
-        "tolerance (gradients accumulate); fewer tokens are padded but there are more forward/backward passes, "
-        "which costs more than it saves on the bundled model on a CPU (docs/RESULTS.md, Performance). Applies to the "
-        "default "
-        "learner feed, not to trainer.learner_feed=streaming_split.",
+        "Deal rows to ranks in row order, then cut each rank's rows into micro-batches of rows of about the same "
+        "length (padding within 10% of the real tokens; at most micro_batch_size rows each). The update is the same "
+        "to float tolerance (gradients accumulate); fewer tokens are padded but there are more forward/backward "
+        "passes, which costs more than it saves on the bundled model on a CPU (docs/RESULTS.md, Performance). "
+        "Overrides balanced_micro_batches. Applies to the default learner feed, not to "
+        "trainer.learner_feed=streaming_split.",
     )
+
+    def micro_batch_order(self) -> str:
+        """How the learner cuts rows into [rank][micro-batch] (one of ``types.batch.MICRO_BATCH_ORDERS``)."""
+        if self.length_sorted_micro_batches:
+            return "length-sorted"
+        return "balanced" if self.balanced_micro_batches else "row-order"
 
     def micro_rows(self, share: int) -> int:
         """Rows per micro-batch for a rank whose share of a mini-batch is ``share`` rows."""

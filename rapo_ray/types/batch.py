@@ -22,6 +22,7 @@ A field is ``None`` until its stage has run.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -82,6 +83,77 @@ def length_sorted_groups(lengths: Sequence[int], max_rows: int, pad_slack: float
             groups.append([i])
             real = lengths[i]
     return groups
+
+
+# How the learner cuts a batch into [rank][micro-batch] rows (``workers.learner.micro_batch_rows``).
+MICRO_BATCH_ORDERS = ("balanced", "row-order", "length-sorted")
+
+
+def balanced_micro_batches(lengths: Sequence[int], world: int, max_rows: int) -> list[list[list[int]]]:
+    """[rank][micro-batch] -> indices of items with these lengths, dealt so that the ranks pad about the same number
+    of tokens: a padded micro-batch costs about rows x its longest row, and every rank waits for the slowest at each
+    collective, so the step costs the largest rank's sum.
+
+    Items are sorted longest first (ties by index). With one micro-batch per rank (``max_rows`` 0, or at least a
+    rank's even share), the sorted items are cut into ``world`` consecutive runs of at most ``max_rows`` items (0: no
+    cap) whose largest rows x longest product is the smallest possible: a rank of long rows gets fewer of them.
+    Otherwise they are cut into micro-batches of ``max_rows`` and dealt, costliest first, to the least-loaded rank
+    that holds fewer than ceil(micro-batches / world), so no rank makes more passes than an even share would.
+    Ranks left short get empty micro-batches, to end with the same count (at least one).
+
+    E.g. lengths [100, 20, 90, 25, 30, 10], world 2, max_rows 0 -> [[[0, 2]], [[4, 3, 1, 5]]]: 2 x 100 = 200 and
+    4 x 30 = 120, where dealing rows alternately gives rank 0 [100, 90, 30], 3 x 100 = 300.
+    """
+    if world < 1 or max_rows < 0:
+        raise ValueError(f"balanced_micro_batches needs world >= 1 and max_rows >= 0, got {world}, {max_rows}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    n = len(order)
+    cap = max_rows or max(n, 1)
+    if math.ceil(math.ceil(n / world) / cap) <= 1:
+        runs = _min_max_runs([max(int(lengths[i]), 1) for i in order], world, cap)
+        out = [[[order[j] for j in range(a, b)]] for a, b in runs]
+    else:
+        chunks = [order[a : a + cap] for a in range(0, n, cap)]
+        per_rank = math.ceil(len(chunks) / world)
+        out, load = [[] for _ in range(world)], [0] * world
+        for chunk in chunks:  # sorted longest first, so each chunk costs no more than the one before
+            rank = min((r for r in range(world) if len(out[r]) < per_rank), key=lambda r: (load[r], r))
+            out[rank].append(chunk)
+            load[rank] += len(chunk) * lengths[chunk[0]]
+    out += [[] for _ in range(world - len(out))]
+    n_micro = max(1, max(len(mbs) for mbs in out))
+    return [mbs + [[] for _ in range(n_micro - len(mbs))] for mbs in out]
+
+
+def _min_max_runs(desc: Sequence[int], parts: int, cap: int) -> list[tuple[int, int]]:
+    """Cut ``desc`` (positive, non-increasing) into at most ``parts`` consecutive runs of at most ``cap`` items that
+    minimise the largest ``len(run) * run[0]``; ``(start, end)`` per run. A run that starts at ``i`` under a bound
+    ``c`` greedily takes ``min(c // desc[i], cap)`` items, which is optimal for a non-increasing sequence; binary
+    search finds the least bound that needs at most ``parts`` runs."""
+
+    def cut(bound: int) -> list[tuple[int, int]] | None:
+        runs, i = [], 0
+        while i < len(desc):
+            take = min(bound // desc[i], cap)
+            if take == 0 or len(runs) == parts:
+                return None
+            runs.append((i, min(i + take, len(desc))))
+            i += take
+        return runs
+
+    if not desc:
+        return []
+    lo, hi = desc[0], desc[0] * len(desc)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if cut(mid) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    runs = cut(lo)
+    if runs is None:
+        raise ValueError(f"{len(desc)} items do not fit {parts} runs of at most {cap}")
+    return runs
 
 
 @dataclass

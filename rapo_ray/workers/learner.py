@@ -40,7 +40,7 @@ from rapo_ray.model.factory import (
     save_model,
     set_torch_threads,
 )
-from rapo_ray.types.batch import TrajectoryBatch, length_sorted_groups
+from rapo_ray.types.batch import MICRO_BATCH_ORDERS, TrajectoryBatch, balanced_micro_batches, length_sorted_groups
 from rapo_ray.types.learner_batch import LearnerBatch, from_numpy
 from rapo_ray.workers.sync import SyncMember, send_state, shard_rows
 
@@ -55,6 +55,8 @@ RANK_REDUCE = {
     "lr": "mean",
     "loss_sum": "sum",
     "rows": "sum",
+    "padded_tokens": "sum",
+    "slowest_rank_padded_tokens": "max",
 }
 
 
@@ -185,11 +187,12 @@ class LearnerWorker(SyncMember):
 
     def _update(self, mini_batches: list[tuple[list[LearnerBatch], float]]) -> dict[str, float]:
         stats: dict[str, float] = {}
-        n = 0
+        n = padded = 0
         for micro_batches, denominator in mini_batches:
             self.opt.zero_grad(set_to_none=True)
             for mb in micro_batches:
                 ids, attn = mb.long_ids(), mb.attention_mask
+                padded += ids.numel()
                 ref_logp = None
                 if self.ref_model is not None:  # the KL penalty's reference log-probs (no gradient)
                     with torch.no_grad():
@@ -223,6 +226,8 @@ class LearnerWorker(SyncMember):
         out["grad_norm"] = stats.get("grad_norm", 0.0) / max(len(mini_batches), 1)
         out["loss_tokens"] = n
         out["lr"] = self.sched.get_last_lr()[0]
+        # rows x longest row of every forward/backward: what the passes cost; ranks wait for the slowest at each step
+        out["padded_tokens"] = out["slowest_rank_padded_tokens"] = padded
         return out
 
     # ------------------------------------------------------------ weights and checkpoints
@@ -346,16 +351,29 @@ def _gather(refs: list) -> list:
 MICRO_BATCH_PAD_SLACK = 0.1
 
 
-def micro_batch_rows(lengths: Sequence[int], world: int, micro: int, length_sorted: bool) -> list[list[list[int]]]:
-    """[rank][micro-batch] -> row indices of a batch whose rows have these token lengths. Row i goes to rank
-    ``i % world``. A rank's rows are cut into micro-batches of at most ``micro`` rows: in row order, or
-    (``length_sorted``) sorted by length and cut where padding would pass ``MICRO_BATCH_PAD_SLACK``
-    (``batch.length_sorted_groups``). Every rank gets the same number of micro-batches (FSDP's collectives need
-    every rank in every forward/backward): a rank with fewer gets empty ones, sent as padding rows."""
+def micro_batch_rows(lengths: Sequence[int], world: int, micro: int, order: str) -> list[list[list[int]]]:
+    """[rank][micro-batch] -> row indices of a batch whose rows have these token lengths, by ``order``
+    (``LearnerConfig.micro_batch_order``):
+
+    - ``balanced``: ``batch.balanced_micro_batches``: rows of like length together, dealt so the ranks pad about the
+      same number of tokens; ``micro`` caps rows per micro-batch (0: one micro-batch per rank, of any size).
+    - ``row-order``: row i goes to rank ``i % world``, whose rows are cut every ``micro`` rows.
+    - ``length-sorted``: as row-order, then each rank's rows sorted by length and cut where padding would pass
+      ``MICRO_BATCH_PAD_SLACK`` (``batch.length_sorted_groups``), at most ``micro`` rows each.
+
+    Every rank gets the same number of micro-batches (FSDP's collectives need every rank in every forward/backward):
+    a rank with fewer gets empty ones, sent as padding rows."""
+    if order == "balanced":
+        return balanced_micro_batches(lengths, world, micro)
+    if order not in MICRO_BATCH_ORDERS or micro < 1:
+        raise ValueError(
+            f"micro_batch_rows: order {order!r} must be one of {MICRO_BATCH_ORDERS}, and micro ({micro}) >= 1 "
+            "unless it is balanced"
+        )
     per_rank = [list(range(r, len(lengths), world)) for r in range(world)]
     out = []
     for rows in per_rank:
-        if length_sorted:
+        if order == "length-sorted":
             groups = length_sorted_groups([lengths[i] for i in rows], micro, MICRO_BATCH_PAD_SLACK)
             out.append([[rows[j] for j in g] for g in groups])
         else:
@@ -365,11 +383,11 @@ def micro_batch_rows(lengths: Sequence[int], world: int, micro: int, length_sort
 
 
 def split_for_ranks(
-    batch: LearnerBatch, world: int, micro: int, pad_id: int, length_sorted: bool = False
+    batch: LearnerBatch, world: int, micro: int, pad_id: int, order: str = "row-order"
 ) -> tuple[list[list[LearnerBatch]], list[list[list[int]]]]:
     """``batch`` -> ([rank][micro-batch] batches, their row indices as ``micro_batch_rows`` gives them); an empty
     micro-batch is a one-row padding batch that weighs nothing in the loss."""
-    rows = micro_batch_rows(batch.length.tolist(), world, micro, length_sorted)
+    rows = micro_batch_rows(batch.length.tolist(), world, micro, order)
     pad = LearnerBatch.padding(1, pad_id, like=batch)
     return [[batch.select(mb) if mb else pad for mb in mbs] for mbs in rows], rows
 
@@ -431,7 +449,7 @@ class LearnerGroup:
         micro = lc.micro_rows(lc.mini_batch_size // world)
         behaviour = self.cfg.algo.behaviour_correction != "none"
         lb = LearnerBatch.from_trajectories(batch.trajectories, self.pad_id, behaviour=behaviour)
-        per_rank, rows = split_for_ranks(lb, world, micro, self.pad_id, lc.length_sorted_micro_batches)
+        per_rank, rows = split_for_ranks(lb, world, micro, self.pad_id, lc.micro_batch_order())
         results = _gather([w.forward_old.remote(mbs) for w, mbs in zip(self.workers, per_rank)])
         logp = torch.zeros_like(lb.response_mask)
         ent = torch.zeros_like(lb.response_mask)
@@ -454,6 +472,7 @@ class LearnerGroup:
         lb.require("old_logprobs")
         lc, world = self.cfg.learner, self.world_size
         agg = self.cfg.algo.loss_agg_mode
+        dealing = lc.micro_batch_order()
         out: dict[str, float] = {}
         for epoch in range(lc.ppo_epochs):
             order = list(range(len(lb)))
@@ -465,13 +484,11 @@ class LearnerGroup:
             else:
                 per_rank: list[list] = [[] for _ in range(world)]
                 for mini, denom in zip(minis, denoms):
-                    split, _ = split_for_ranks(
-                        mini,
-                        world,
-                        lc.micro_rows(math.ceil(len(mini) / world)),
-                        self.pad_id,
-                        lc.length_sorted_micro_batches,
+                    # balanced sizes each rank's share itself; micro_batch_size only caps its micro-batches
+                    micro = (
+                        lc.micro_batch_size if dealing == "balanced" else lc.micro_rows(math.ceil(len(mini) / world))
                     )
+                    split, _ = split_for_ranks(mini, world, micro, self.pad_id, dealing)
                     for rank in range(world):
                         per_rank[rank].append((split[rank], denom))
                 stats = _gather([w.update.remote(per_rank[r]) for r, w in enumerate(self.workers)])

@@ -34,3 +34,23 @@ def test_vllm_engine_matches_hf(tiny_model_dir, tiny_tokenizer, prompts):
         assert not list(engine._shm.iterdir())
     finally:
         engine.close()
+
+
+def test_a_job_engine_start_keeps_vllm_and_torch_notices_off_the_console(tiny_model_dir):
+    """With the environment a job gives its workers (launcher.QUIET_ENV), building an engine on a CPU prints neither
+    vLLM's import-time Triton notice (before vLLM configures its logging) nor torch's C++ NUMA-binding warning."""
+    import os
+    import subprocess
+    import sys
+
+    from rapo_ray.launch.launcher import QUIET_ENV
+
+    code = (
+        "from rapo_ray.engines.vllm_engine import VLLMEngine\n"
+        f"VLLMEngine({str(tiny_model_dir)!r}, max_model_len=256, kv_cache_gb=0.25).close()\n"
+        "print('engine closed')\n"
+    )
+    env = os.environ | QUIET_ENV
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "engine closed" in done.stdout, done.stderr[-2000:]
+    assert "Triton is installed" not in done.stderr and "NUMA binding" not in done.stderr, done.stderr[-2000:]

@@ -499,9 +499,9 @@ def test_the_behaviour_correction_reaches_the_learners_loss(ray_session, fleet_c
     assert "behaviour_weight_mean" not in plain
 
 
-def test_forward_old_puts_length_sorted_micro_batches_back_in_row_order(ray_session, fleet_cfg):
-    """With ``learner.length_sorted_micro_batches`` a rank sees its rows out of order; the group must still fill
-    ``old_logprobs`` / ``entropies`` row by row (ranks here echo each row's length and slot)."""
+def test_forward_old_puts_sorted_micro_batches_back_in_row_order(ray_session, fleet_cfg):
+    """With balanced (the default) or length-sorted micro-batches a rank sees its rows out of order; the group must
+    still fill ``old_logprobs`` / ``entropies`` row by row (ranks here echo each row's length and slot)."""
     from dataclasses import replace
 
     from rapo_ray.types.batch import TrajectoryBatch
@@ -528,8 +528,14 @@ def test_forward_old_puts_length_sorted_micro_batches_back_in_row_order(ray_sess
     ]  # fmt: skip
     group = LearnerGroup.__new__(LearnerGroup)
     group.workers, group.pad_id = [Echo.remote(), Echo.remote()], 0
-    for length_sorted in (True, False):
-        learner = replace(fleet_cfg.learner, world_size=2, mini_batch_size=8, length_sorted_micro_batches=length_sorted)
+    for balanced, length_sorted in ((True, False), (False, True), (False, False)):
+        learner = replace(
+            fleet_cfg.learner,
+            world_size=2,
+            mini_batch_size=8,
+            balanced_micro_batches=balanced,
+            length_sorted_micro_batches=length_sorted,
+        )
         group.cfg = replace(fleet_cfg, learner=learner)
         batch = TrajectoryBatch(trajs)
         group.forward_old(batch)
@@ -541,6 +547,46 @@ def test_forward_old_puts_length_sorted_micro_batches_back_in_row_order(ray_sess
             {float(i)} for i in range(len(lengths))
         ]
         assert float((lb.old_logprobs * (1 - lb.response_mask)).abs().sum()) == 0  # nothing outside responses
+
+
+def test_update_deals_each_mini_batch_to_the_ranks_balanced(ray_session, fleet_cfg):
+    """learner.balanced_micro_batches (the default): a PPO mini-batch reaches the ranks whole, every row once with
+    the mini-batch's global denominator, and the rank that gets the long rows gets fewer of them (ranks here keep
+    the rows they were sent)."""
+    from dataclasses import replace
+
+    from rapo_ray.types.batch import TrajectoryBatch
+    from rapo_ray.types.trajectory import Trajectory
+    from rapo_ray.workers.learner import LearnerGroup
+
+    @ray.remote(num_cpus=0)
+    class Record:
+        def update(self, mini_batches):
+            self.sent = [([mb.row.tolist() for mb in mbs], denominator) for mbs, denominator in mini_batches]
+            return {}
+
+        def received(self):
+            return self.sent
+
+    lengths = [40, 3, 4, 5, 38, 6, 7, 8]  # two long responses among six short ones; prompts are 2 tokens
+    trajs = [
+        Trajectory(f"g{i}", i, "on_policy", f"p{i}", "qa", (), prompt_ids=[3, 4], response_ids=[7] * n,
+                   loss_mask=[1] * n)
+        for i, n in enumerate(lengths)
+    ]  # fmt: skip
+    group = LearnerGroup.__new__(LearnerGroup)
+    group.workers, group.pad_id = [Record.remote(), Record.remote()], 0
+    group.cfg = replace(fleet_cfg, learner=replace(fleet_cfg.learner, world_size=2, mini_batch_size=8, ppo_epochs=1))
+    batch = TrajectoryBatch(trajs)
+    batch.learner = LearnerBatch.from_trajectories(trajs, 0)
+    batch.learner.old_logprobs = torch.zeros_like(batch.learner.response_mask)
+    batch.advantage, batch.shaping = [1.0] * 8, [1.0] * 8
+    group.update(batch, step=1)
+    ((long_rank, denominator),), ((short_rank, other_denominator),) = sorted(
+        (ray.get(w.received.remote()) for w in group.workers), key=lambda sent: len(sent[0][0][0])
+    )
+    assert denominator == other_denominator == float(sum(lengths))  # every loss token of the mini-batch
+    assert sorted(long_rank[0]) == [0, 4] and sorted(short_rank[0]) == [1, 2, 3, 5, 6, 7]  # 2 x 42 vs 6 x 10 tokens
 
 
 def test_checkpoint_in_a_lower_dtype_keeps_fp32_master_weights(ray_session, fleet_cfg, tiny_model_dir, tmp_path):

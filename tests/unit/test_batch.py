@@ -184,13 +184,62 @@ def test_length_sorted_micro_batches_per_rank_with_the_same_count_on_every_rank(
     from rapo_ray.workers.learner import micro_batch_rows
 
     lengths = [10, 10, 11, 10, 40, 10, 41]
-    assert micro_batch_rows(lengths, world=2, micro=4, length_sorted=True) == [[[0, 2], [4, 6]], [[1, 3, 5], []]]
-    assert micro_batch_rows(lengths, world=2, micro=4, length_sorted=False) == [[[0, 2, 4, 6]], [[1, 3, 5]]]
-    assert micro_batch_rows(lengths, world=2, micro=1, length_sorted=True) == [
+    assert micro_batch_rows(lengths, world=2, micro=4, order="length-sorted") == [[[0, 2], [4, 6]], [[1, 3, 5], []]]
+    assert micro_batch_rows(lengths, world=2, micro=4, order="row-order") == [[[0, 2, 4, 6]], [[1, 3, 5]]]
+    assert micro_batch_rows(lengths, world=2, micro=1, order="length-sorted") == [
         [[0], [2], [4], [6]],
         [[1], [3], [5], []],
     ]
-    assert micro_batch_rows([], world=2, micro=4, length_sorted=True) == [[[]], [[]]]
+    assert micro_batch_rows([], world=2, micro=4, order="length-sorted") == [[[]], [[]]]
+    with pytest.raises(ValueError, match="order 'sorted'"):
+        micro_batch_rows(lengths, world=2, micro=4, order="sorted")
+
+
+def test_balanced_micro_batches_by_hand():
+    """Sorted longest first: 100 (0), 90 (2), 30 (4), 25 (3), 20 (1), 10 (5). One micro-batch per rank: cutting
+    after two rows costs max(2 x 100, 4 x 30) = 200, the least (after one: 5 x 90; after three: 3 x 100). Capped at
+    2 rows, the six rows make three micro-batches of like lengths, dealt costliest first to the least-loaded rank with
+    room: 200 -> rank 0, 60 -> rank 1, 20 -> rank 1 (rank 0 is fuller)."""
+    from rapo_ray.types.batch import balanced_micro_batches
+
+    lengths = [100, 20, 90, 25, 30, 10]
+    assert balanced_micro_batches(lengths, world=2, max_rows=0) == [[[0, 2]], [[4, 3, 1, 5]]]
+    assert balanced_micro_batches(lengths, world=2, max_rows=2) == [[[0, 2], []], [[4, 3], [1, 5]]]
+    # a cap at least a rank's share still gives one micro-batch per rank, each within the cap
+    assert balanced_micro_batches(lengths, world=2, max_rows=3) == [[[0, 2, 4]], [[3, 1, 5]]]
+    assert balanced_micro_batches([7, 7, 7], world=2, max_rows=0) == [[[0, 1]], [[2]]]
+    assert balanced_micro_batches([5], world=3, max_rows=0) == [[[0]], [[]], [[]]]
+    assert balanced_micro_batches([], world=2, max_rows=0) == [[[]], [[]]]
+    with pytest.raises(ValueError, match="max_rows >= 0"):
+        balanced_micro_batches(lengths, world=2, max_rows=-1)
+
+
+@pytest.mark.parametrize("max_rows", [0, 1, 3, 8])
+def test_balanced_micro_batches_cover_every_row_once_and_never_pad_more_than_row_order(max_rows):
+    """Random batches: every row lands in exactly one micro-batch, ranks end with the same count, no micro-batch
+    passes the cap, no rank makes more passes than row order gives it, and the slowest rank's padded tokens (the sum
+    over its micro-batches of rows x longest row) never exceed row order's."""
+    import random
+
+    from rapo_ray.types.batch import balanced_micro_batches
+    from rapo_ray.workers.learner import micro_batch_rows
+
+    def slowest(split, lengths):
+        return max(sum(len(mb) * max((lengths[i] for i in mb), default=0) for mb in mbs) for mbs in split)
+
+    rng = random.Random(max_rows)
+    for _ in range(200):
+        world = rng.choice([1, 2, 3, 4])
+        lengths = [rng.randint(5, 300) for _ in range(rng.randint(0, 40))]
+        got = balanced_micro_batches(lengths, world, max_rows)
+        assert len(got) == world and len({len(mbs) for mbs in got}) == 1
+        assert sorted(i for mbs in got for mb in mbs for i in mb) == list(range(len(lengths)))
+        assert all(len(mb) <= (max_rows or len(lengths)) for mbs in got for mb in mbs)
+        share = max(1, -(-len(lengths) // world))
+        row_order = micro_batch_rows(lengths, world, min(share, max_rows or share), "row-order")
+        assert len(got[0]) <= len(row_order[0])
+        if max_rows == 0 or max_rows >= share:
+            assert slowest(got, lengths) <= slowest(row_order, lengths)
 
 
 def test_logprob_gap_between_engine_and_learner_by_hand():

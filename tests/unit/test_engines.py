@@ -221,3 +221,22 @@ def test_simulated_engine_models_a_batched_decode(tiny_tokenizer, monkeypatch):
     assert engine.version == 7
     with pytest.raises(ValueError, match="min_tokens <= max_tokens"):
         SimulatedEngine(tiny_tokenizer, token_ms=1.0, min_tokens=5, max_tokens=4)
+
+
+def test_vllm_loggers_take_the_environments_level_before_vllm_is_imported(monkeypatch):
+    """VLLM_LOGGING_LEVEL reaches the 'vllm' logger without importing vLLM; an unknown level leaves it alone."""
+    import logging
+
+    from rapo_ray.engines.vllm_engine import apply_vllm_log_level
+
+    logger = logging.getLogger("vllm")
+    before = logger.level
+    try:
+        monkeypatch.setenv("VLLM_LOGGING_LEVEL", "error")
+        apply_vllm_log_level()
+        assert logger.level == logging.ERROR
+        monkeypatch.setenv("VLLM_LOGGING_LEVEL", "loud")
+        apply_vllm_log_level()
+        assert logger.level == logging.ERROR
+    finally:
+        logger.setLevel(before)

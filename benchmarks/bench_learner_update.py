@@ -1,0 +1,162 @@
+"""The learner's two passes (old log-probs, then the PPO update) replayed on finished runs' own steps, once per way of
+dealing rows to ranks and micro-batches (``learner.balanced_micro_batches`` / ``length_sorted_micro_batches``): seconds
+and padded tokens per step, so a GRPO run and a RAPO run can be compared on their real rows with nothing else running.
+
+    python benchmarks/bench_learner_update.py --run RUNS/grpo-s0 --run RUNS/rapo-s0 --model-dir MODEL \\
+        --orders balanced,row-order --steps 2-30 --out benchmarks/results/learner_update.json
+
+Each run is replayed with its own ``config.yaml`` on one ``LearnerGroup`` (the run's learner ranks, FSDP, gloo),
+starting from ``--model-dir`` (the runs' starting model). For every saved step (``trajectories/step-*.parquet``) and
+every order in turn (orders alternate within a step, so a drifting box weighs on each alike): the old-policy pass over
+the step's rows, then the update with the advantages and shaping the run computed. The weights move with every update,
+which changes no shape and so no cost. Padded tokens are the sum over micro-batches of rows x longest row; the slowest
+rank's are what a step waits for (ranks meet at every collective). Prints a table and writes JSON (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import ray
+
+from rapo_ray.config import load_config
+from rapo_ray.core.devices import machine_record
+from rapo_ray.core.files import write_json_atomic
+from rapo_ray.launch.launcher import init_ray
+from rapo_ray.types.batch import MICRO_BATCH_ORDERS, TrajectoryBatch
+from rapo_ray.types.trajectory import Trajectory
+from rapo_ray.workers.learner import LearnerGroup, micro_batch_rows
+
+ORDER_FLAGS = {  # (balanced_micro_batches, length_sorted_micro_batches)
+    "balanced": (True, False),
+    "row-order": (False, False),
+    "length-sorted": (False, True),
+}
+COLUMNS = ["prompt_ids", "response_ids", "loss_mask", "logprobs", "slot_kind", "advantage", "shaping"]
+
+
+def step_batch(parquet: Path) -> TrajectoryBatch:
+    """A saved step as the learner sees it: trajectories with their tokens, advantages and shaping."""
+    rows = pq.read_table(parquet, columns=COLUMNS).to_pylist()
+    trajs = []
+    for i, r in enumerate(rows):
+        t = Trajectory(f"g{i}", i, r["slot_kind"], f"p{i}", "qa", (), prompt_ids=list(r["prompt_ids"]))
+        t.response_ids, t.loss_mask, t.logprobs = list(r["response_ids"]), list(r["loss_mask"]), list(r["logprobs"])
+        trajs.append(t)
+    batch = TrajectoryBatch(trajs)
+    batch.advantage = [float(r["advantage"]) for r in rows]
+    batch.shaping = [float(r["shaping"]) for r in rows]
+    return batch
+
+
+def padded_tokens(split: list[list[list[int]]], lengths: list[int]) -> tuple[int, int]:
+    """(all ranks', the slowest rank's) padded tokens of a [rank][micro-batch] split."""
+    per_rank = [sum(len(mb) * max((lengths[i] for i in mb), default=0) for mb in mbs) for mbs in split]
+    return sum(per_rank), max(per_rank)
+
+
+def parse_steps(text: str) -> range:
+    first, _, last = text.partition("-")
+    return range(int(first), int(last or first) + 1)
+
+
+def replay(run_dir: Path, model_dir: Path, orders: list[str], steps: range) -> dict:
+    cfg = load_config(run_dir / "config.yaml")
+    files = [run_dir / "trajectories" / f"step-{s:06d}.parquet" for s in steps]
+    files = [f for f in files if f.exists()]
+    if not files:
+        raise SystemExit(f"{run_dir}: no trajectories/step-*.parquet for steps {steps.start}-{steps.stop - 1}")
+    lc, world = cfg.learner, cfg.learner.world_size
+    group = LearnerGroup(cfg, model_dir)
+    per_order: dict[str, dict[str, list[float]]] = {o: {} for o in orders}
+    try:
+        for k, f in enumerate(files):
+            batch = step_batch(f)
+            lengths = [len(t.prompt_ids) + len(t.response_ids) for t in batch]
+            for order in orders if k % 2 == 0 else orders[::-1]:
+                balanced, length_sorted = ORDER_FLAGS[order]
+                learner = replace(lc, balanced_micro_batches=balanced, length_sorted_micro_batches=length_sorted)
+                group.cfg = replace(cfg, learner=learner)
+                t0 = time.perf_counter()
+                group.forward_old(batch)
+                t1 = time.perf_counter()
+                stats = group.update(batch, step=int(f.stem.split("-")[1]))
+                t2 = time.perf_counter()
+                old_micro = learner.micro_rows(lc.mini_batch_size // world)
+                old_all, old_slowest = padded_tokens(micro_batch_rows(lengths, world, old_micro, order), lengths)
+                rec = per_order[order]
+                for key, value in (
+                    ("old_logprob_s", t1 - t0),
+                    ("update_s", t2 - t1),
+                    ("old_padded_tokens", old_all),
+                    ("old_slowest_rank_tokens", old_slowest),
+                    ("update_padded_tokens", stats["padded_tokens"]),
+                    ("update_slowest_rank_tokens", stats["slowest_rank_padded_tokens"]),
+                    ("real_tokens", sum(lengths)),
+                ):
+                    rec.setdefault(key, []).append(value)
+    finally:
+        group.shutdown()
+    return {
+        "run": str(run_dir),
+        "algo": cfg.algo.name,
+        "steps": len(files),
+        "orders": {
+            order: {f"median_{k}" if k.endswith("_s") else f"mean_{k}": _summary(k, v) for k, v in rec.items()}
+            for order, rec in per_order.items()
+        },
+    }
+
+
+def _summary(key: str, values: list[float]) -> float:
+    return statistics.median(values) if key.endswith("_s") else statistics.fmean(values)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", action="append", required=True, help="a finished run's folder (repeat for several)")
+    ap.add_argument("--model-dir", required=True, help="the HF folder the runs started from")
+    ap.add_argument("--orders", default="balanced,row-order", help=f"comma-separated, of {list(ORDER_FLAGS)}")
+    ap.add_argument("--steps", default="2-30", help="saved steps to replay, FIRST-LAST (step 1 warms caches)")
+    ap.add_argument("--out", default="benchmarks/results/learner_update.json")
+    args = ap.parse_args()
+    orders = [o for o in args.orders.split(",") if o]
+    bad = [o for o in orders if o not in ORDER_FLAGS or o not in MICRO_BATCH_ORDERS]
+    if bad or not orders:
+        ap.error(f"--orders {args.orders!r}: each must be one of {list(ORDER_FLAGS)}")
+    for run in args.run:
+        if not Path(run, "config.yaml").is_file():
+            ap.error(f"--run {run}: no config.yaml there (a run folder holds config.yaml and trajectories/)")
+    if not Path(args.model_dir, "config.json").is_file():
+        ap.error(f"--model-dir {args.model_dir}: not an HF model folder (no config.json)")
+    init_ray(load_config(Path(args.run[0]) / "config.yaml"))
+    try:
+        results = [replay(Path(r), Path(args.model_dir), orders, parse_steps(args.steps)) for r in args.run]
+    finally:
+        ray.shutdown()
+    print(
+        f"{'run':24} {'order':14} {'real tokens':>11} | {'old s':>6} {'padded':>7} {'slowest':>7} | "
+        f"{'update s':>8} {'padded':>7} {'slowest':>7}"
+    )
+    for res in results:
+        for order, s in res["orders"].items():
+            print(
+                f"{Path(res['run']).name:24} {order:14} {s['mean_real_tokens']:11.0f} | "
+                f"{s['median_old_logprob_s']:6.3f} {s['mean_old_padded_tokens']:7.0f} "
+                f"{s['mean_old_slowest_rank_tokens']:7.0f} | {s['median_update_s']:8.3f} "
+                f"{s['mean_update_padded_tokens']:7.0f} {s['mean_update_slowest_rank_tokens']:7.0f}"
+            )
+    report = {"machine": machine_record(), "args": vars(args), "results": results}
+    write_json_atomic(Path(args.out), report)
+    print(f"wrote {args.out}")
+    print(json.dumps({r["run"]: {o: round(s["median_update_s"], 3) for o, s in r["orders"].items()} for r in results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""benchmarks/bench_learner_update.py's step loading and padding accounting, and the learner's order switches."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rapo_ray.config import load_config
+from tests.helpers import benchmark_module
+
+
+def test_a_saved_step_comes_back_with_its_tokens_advantages_and_shaping(tmp_path):
+    bench = benchmark_module("bench_learner_update")
+    rows = {
+        "prompt_ids": [[3, 4], [3]],
+        "response_ids": [[7, 8, 9], [7]],
+        "loss_mask": [[1, 0, 1], [1]],
+        "logprobs": [[-0.5, 0.0, -0.25], [-1.0]],
+        "slot_kind": ["on_policy", "hybrid"],
+        "advantage": [0.5, -0.5],
+        "shaping": [1.0, 1.02],
+    }
+    pq.write_table(pa.table(rows), tmp_path / "step-000003.parquet")
+    batch = bench.step_batch(tmp_path / "step-000003.parquet")
+    assert [t.prompt_ids + t.response_ids for t in batch] == [[3, 4, 7, 8, 9], [3, 7]]
+    assert [t.loss_mask for t in batch] == [[1, 0, 1], [1]] and [t.slot_kind for t in batch] == ["on_policy", "hybrid"]
+    assert batch.advantage == [0.5, -0.5] and batch.shaping == pytest.approx([1.0, 1.02])
+
+
+def test_padded_tokens_of_a_split_by_hand():
+    """Rank 0: [40, 30] pads to 2 x 40, then [10] alone; rank 1: [20, 5, 5] pads to 3 x 20 = 60."""
+    bench = benchmark_module("bench_learner_update")
+    lengths = [40, 30, 10, 20, 5, 5]
+    assert bench.padded_tokens([[[0, 1], [2]], [[3, 4, 5], []]], lengths) == (150, 90)
+    assert bench.parse_steps("2-4") == range(2, 5) and bench.parse_steps("7") == range(7, 8)
+
+
+def test_the_learner_config_names_its_micro_batch_order():
+    lc = load_config().learner
+    assert lc.micro_batch_order() == "balanced"  # the default
+    assert replace(lc, balanced_micro_batches=False).micro_batch_order() == "row-order"
+    assert replace(lc, length_sorted_micro_batches=True).micro_batch_order() == "length-sorted"  # takes precedence
