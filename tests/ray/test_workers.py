@@ -11,7 +11,7 @@ import torch
 
 from rapo_ray.model.factory import pad_token_id
 from rapo_ray.types.learner_batch import LearnerBatch, from_numpy
-from rapo_ray.types.trajectory import Task
+from rapo_ray.types.trajectory import Task, Trajectory
 
 
 def _groups(n):
@@ -89,6 +89,15 @@ def sync_parts(sync_topology):
     fleet.scale(2)
     sync.reset()
     return learners, fleet, sync, state
+
+
+def _trajectories_of_lengths(response_lengths: list[int]) -> list[Trajectory]:
+    """One on-policy trajectory per length: a 2-token prompt and that many generated tokens, all trained."""
+    return [
+        Trajectory(f"g{i}", i, "on_policy", f"p{i}", "qa", (), prompt_ids=[3, 4], response_ids=[7] * n,
+                   loss_mask=[1] * n)
+        for i, n in enumerate(response_lengths)
+    ]  # fmt: skip
 
 
 def _kill(worker):
@@ -372,7 +381,6 @@ def test_kl_penalty_pulls_the_policy_back_to_the_starting_model(ray_session, fle
 
     from rapo_ray.core.metrics import merge_actor_stats
     from rapo_ray.core.net import free_port
-    from rapo_ray.types.trajectory import Trajectory
     from rapo_ray.workers.learner import LearnerWorker
 
     cfg = replace(
@@ -419,7 +427,6 @@ def test_micro_batches_accumulate_to_the_same_update(ray_session, fleet_cfg, tin
 
     from rapo_ray.core.metrics import merge_actor_stats
     from rapo_ray.core.net import free_port
-    from rapo_ray.types.trajectory import Trajectory
     from rapo_ray.workers.learner import LearnerWorker
 
     assert replace(fleet_cfg.learner, micro_batch_size=0).micro_rows(8) == 8
@@ -465,7 +472,6 @@ def test_the_behaviour_correction_reaches_the_learners_loss(ray_session, fleet_c
 
     from rapo_ray.core.metrics import merge_actor_stats
     from rapo_ray.core.net import free_port
-    from rapo_ray.types.trajectory import Trajectory
     from rapo_ray.workers.learner import LearnerWorker
 
     trajs = [
@@ -505,7 +511,6 @@ def test_forward_old_puts_sorted_micro_batches_back_in_row_order(ray_session, fl
     from dataclasses import replace
 
     from rapo_ray.types.batch import TrajectoryBatch
-    from rapo_ray.types.trajectory import Trajectory
     from rapo_ray.workers.learner import LearnerGroup
 
     @ray.remote(num_cpus=0)
@@ -521,11 +526,7 @@ def test_forward_old_puts_sorted_micro_batches_back_in_row_order(ray_session, fl
             ]
 
     lengths = [30, 3, 4, 31, 5, 29, 6, 2, 33]
-    trajs = [
-        Trajectory(f"g{i}", i, "on_policy", f"p{i}", "qa", (), prompt_ids=[3, 4], response_ids=[7] * n,
-                   loss_mask=[1] * n)
-        for i, n in enumerate(lengths)
-    ]  # fmt: skip
+    trajs = _trajectories_of_lengths(lengths)
     group = LearnerGroup.__new__(LearnerGroup)
     group.workers, group.pad_id = [Echo.remote(), Echo.remote()], 0
     for balanced, length_sorted in ((True, False), (False, True), (False, False)):
@@ -556,7 +557,6 @@ def test_update_deals_each_mini_batch_to_the_ranks_balanced(ray_session, fleet_c
     from dataclasses import replace
 
     from rapo_ray.types.batch import TrajectoryBatch
-    from rapo_ray.types.trajectory import Trajectory
     from rapo_ray.workers.learner import LearnerGroup
 
     @ray.remote(num_cpus=0)
@@ -569,11 +569,7 @@ def test_update_deals_each_mini_batch_to_the_ranks_balanced(ray_session, fleet_c
             return self.sent
 
     lengths = [40, 3, 4, 5, 38, 6, 7, 8]  # two long responses among six short ones; prompts are 2 tokens
-    trajs = [
-        Trajectory(f"g{i}", i, "on_policy", f"p{i}", "qa", (), prompt_ids=[3, 4], response_ids=[7] * n,
-                   loss_mask=[1] * n)
-        for i, n in enumerate(lengths)
-    ]  # fmt: skip
+    trajs = _trajectories_of_lengths(lengths)
     group = LearnerGroup.__new__(LearnerGroup)
     group.workers, group.pad_id = [Record.remote(), Record.remote()], 0
     group.cfg = replace(fleet_cfg, learner=replace(fleet_cfg.learner, world_size=2, mini_batch_size=8, ppo_epochs=1))
@@ -598,7 +594,6 @@ def test_checkpoint_in_a_lower_dtype_keeps_fp32_master_weights(ray_session, flee
 
     from rapo_ray.core.net import free_port
     from rapo_ray.model.factory import load_model
-    from rapo_ray.types.trajectory import Trajectory
     from rapo_ray.workers.learner import LearnerWorker
 
     cfg = replace(
