@@ -29,11 +29,11 @@ from rapo_ray.config import load_config
 from rapo_ray.core.devices import machine_record
 from rapo_ray.core.files import write_json_atomic
 from rapo_ray.launch.launcher import init_ray
-from rapo_ray.types.batch import MICRO_BATCH_ORDERS, TrajectoryBatch
+from rapo_ray.types.batch import TrajectoryBatch
 from rapo_ray.types.trajectory import Trajectory
 from rapo_ray.workers.learner import LearnerGroup, micro_batch_rows
 
-ORDER_FLAGS = {  # (balanced_micro_batches, length_sorted_micro_batches)
+ORDER_FLAGS = {  # types.batch.MICRO_BATCH_ORDERS -> (balanced_micro_batches, length_sorted_micro_batches)
     "balanced": (True, False),
     "row-order": (False, False),
     "length-sorted": (False, True),
@@ -127,7 +127,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/learner_update.json")
     args = ap.parse_args()
     orders = [o for o in args.orders.split(",") if o]
-    bad = [o for o in orders if o not in ORDER_FLAGS or o not in MICRO_BATCH_ORDERS]
+    bad = [o for o in orders if o not in ORDER_FLAGS]
     if bad or not orders:
         ap.error(f"--orders {args.orders!r}: each must be one of {list(ORDER_FLAGS)}")
     for run in args.run:

@@ -43,3 +43,14 @@ def test_the_learner_config_names_its_micro_batch_order():
     assert lc.micro_batch_order() == "balanced"  # the default
     assert replace(lc, balanced_micro_batches=False).micro_batch_order() == "row-order"
     assert replace(lc, length_sorted_micro_batches=True).micro_batch_order() == "length-sorted"  # takes precedence
+
+
+def test_each_order_the_benchmark_names_is_the_order_its_flags_give():
+    from rapo_ray.types.batch import MICRO_BATCH_ORDERS
+
+    bench = benchmark_module("bench_learner_update")
+    lc = load_config().learner
+    assert set(bench.ORDER_FLAGS) == set(MICRO_BATCH_ORDERS)
+    for order, (balanced, length_sorted) in bench.ORDER_FLAGS.items():
+        flags = replace(lc, balanced_micro_batches=balanced, length_sorted_micro_batches=length_sorted)
+        assert flags.micro_batch_order() == order
