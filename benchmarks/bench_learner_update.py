@@ -9,7 +9,7 @@ Each run is replayed with its own ``config.yaml`` on one ``LearnerGroup`` (the r
 starting from ``--model-dir`` (the runs' starting model). For every saved step (``trajectories/step-*.parquet``) and
 every order in turn (orders alternate within a step, so a drifting box weighs on each alike): the old-policy pass over
 the step's rows, then the update with the advantages and shaping the run computed. The weights move with every update,
-which changes no shape and so no cost. Padded tokens are the sum over micro-batches of rows x longest row; the slowest
+which changes no shape and so no cost. Padded tokens are the sum over micro-batches of rows x longest row, as the learner group reports them; the slowest
 rank's are what a step waits for (ranks meet at every collective). Prints a table and writes JSON (``--out``).
 """
 
@@ -31,7 +31,7 @@ from rapo_ray.core.files import write_json_atomic
 from rapo_ray.launch.launcher import init_ray
 from rapo_ray.types.batch import TrajectoryBatch
 from rapo_ray.types.trajectory import Trajectory
-from rapo_ray.workers.learner import LearnerGroup, micro_batch_rows
+from rapo_ray.workers.learner import LearnerGroup
 
 ORDER_FLAGS = {  # types.batch.MICRO_BATCH_ORDERS -> (balanced_micro_batches, length_sorted_micro_batches)
     "balanced": (True, False),
@@ -55,15 +55,13 @@ def step_batch(parquet: Path) -> TrajectoryBatch:
     return batch
 
 
-def padded_tokens(split: list[list[list[int]]], lengths: list[int]) -> tuple[int, int]:
-    """(all ranks', the slowest rank's) padded tokens of a [rank][micro-batch] split."""
-    per_rank = [sum(len(mb) * max((lengths[i] for i in mb), default=0) for mb in mbs) for mbs in split]
-    return sum(per_rank), max(per_rank)
-
-
 def parse_steps(text: str) -> range:
-    first, _, last = text.partition("-")
-    return range(int(first), int(last or first) + 1)
+    """``FIRST-LAST`` or ``STEP`` -> the steps, both ends included; ValueError for anything else."""
+    first, sep, last = text.partition("-")
+    steps = range(int(first), int(last if sep else first) + 1)
+    if not steps or steps.start < 1:
+        raise ValueError(f"{text!r} is not FIRST-LAST with 1 <= FIRST <= LAST")
+    return steps
 
 
 def replay(run_dir: Path, model_dir: Path, orders: list[str], steps: range) -> dict:
@@ -72,7 +70,6 @@ def replay(run_dir: Path, model_dir: Path, orders: list[str], steps: range) -> d
     files = [f for f in files if f.exists()]
     if not files:
         raise SystemExit(f"{run_dir}: no trajectories/step-*.parquet for steps {steps.start}-{steps.stop - 1}")
-    lc, world = cfg.learner, cfg.learner.world_size
     group = LearnerGroup(cfg, model_dir)
     per_order: dict[str, dict[str, list[float]]] = {o: {} for o in orders}
     try:
@@ -81,21 +78,21 @@ def replay(run_dir: Path, model_dir: Path, orders: list[str], steps: range) -> d
             lengths = [len(t.prompt_ids) + len(t.response_ids) for t in batch]
             for order in orders if k % 2 == 0 else orders[::-1]:
                 balanced, length_sorted = ORDER_FLAGS[order]
-                learner = replace(lc, balanced_micro_batches=balanced, length_sorted_micro_batches=length_sorted)
+                learner = replace(
+                    cfg.learner, balanced_micro_batches=balanced, length_sorted_micro_batches=length_sorted
+                )
                 group.cfg = replace(cfg, learner=learner)
                 t0 = time.perf_counter()
-                group.forward_old(batch)
+                old = group.forward_old(batch)
                 t1 = time.perf_counter()
                 stats = group.update(batch, step=int(f.stem.split("-")[1]))
                 t2 = time.perf_counter()
-                old_micro = learner.micro_rows(lc.mini_batch_size // world)
-                old_all, old_slowest = padded_tokens(micro_batch_rows(lengths, world, old_micro, order), lengths)
                 rec = per_order[order]
                 for key, value in (
                     ("old_logprob_s", t1 - t0),
                     ("update_s", t2 - t1),
-                    ("old_padded_tokens", old_all),
-                    ("old_slowest_rank_tokens", old_slowest),
+                    ("old_padded_tokens", old["padded_tokens"]),
+                    ("old_slowest_rank_tokens", old["slowest_rank_padded_tokens"]),
                     ("update_padded_tokens", stats["padded_tokens"]),
                     ("update_slowest_rank_tokens", stats["slowest_rank_padded_tokens"]),
                     ("real_tokens", sum(lengths)),
@@ -133,11 +130,15 @@ def main() -> None:
     for run in args.run:
         if not Path(run, "config.yaml").is_file():
             ap.error(f"--run {run}: no config.yaml there (a run folder holds config.yaml and trajectories/)")
+    try:
+        steps = parse_steps(args.steps)
+    except ValueError as exc:
+        ap.error(f"--steps {args.steps!r}: {exc}")
     if not Path(args.model_dir, "config.json").is_file():
         ap.error(f"--model-dir {args.model_dir}: not an HF model folder (no config.json)")
     init_ray(load_config(Path(args.run[0]) / "config.yaml"))
     try:
-        results = [replay(Path(r), Path(args.model_dir), orders, parse_steps(args.steps)) for r in args.run]
+        results = [replay(Path(r), Path(args.model_dir), orders, steps) for r in args.run]
     finally:
         ray.shutdown()
     print(

@@ -442,9 +442,10 @@ class LearnerGroup:
     def world_size(self) -> int:
         return len(self.workers)
 
-    def forward_old(self, batch: TrajectoryBatch) -> None:
+    def forward_old(self, batch: TrajectoryBatch) -> dict[str, int]:
         """Build ``batch.learner`` from its trajectories and fill its ``old_logprobs`` and ``entropies`` ([B, T-1])
-        under the current policy."""
+        under the current policy. Returns the pass's padded tokens (rows x longest row of every micro-batch, padding
+        micro-batches included), over all ranks and on the slowest rank, as ``update`` reports its own."""
         world, lc = self.world_size, self.cfg.learner
         micro = lc.micro_rows(lc.mini_batch_size // world)
         behaviour = self.cfg.algo.behaviour_correction != "none"
@@ -459,6 +460,8 @@ class LearnerGroup:
                     logp[idx, : lp.shape[1]], ent[idx, : en.shape[1]] = from_numpy(lp), from_numpy(en)
         lb.old_logprobs, lb.entropies = logp, ent
         batch.learner = lb
+        per_rank_tokens = [sum(mb.input_ids.numel() for mb in mbs) for mbs in per_rank]
+        return {"padded_tokens": sum(per_rank_tokens), "slowest_rank_padded_tokens": max(per_rank_tokens)}
 
     def update(self, batch: TrajectoryBatch, step: int) -> dict:
         """PPO epochs over ``batch`` (old log-probs and advantages filled); returns the update's statistics.

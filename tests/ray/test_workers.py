@@ -539,8 +539,12 @@ def test_forward_old_puts_sorted_micro_batches_back_in_row_order(ray_session, fl
         )
         group.cfg = replace(fleet_cfg, learner=learner)
         batch = TrajectoryBatch(trajs)
-        group.forward_old(batch)
+        padded = group.forward_old(batch)
         lb = batch.learner
+        if balanced:
+            # rows of 2 + n tokens, micro-batches of 4: rank 0 the four longest (4 x 35) and a 2-token padding row,
+            # rank 1 the next four (4 x 8) and the shortest row (1 x 4)
+            assert padded == {"padded_tokens": 142 + 36, "slowest_rank_padded_tokens": 142}
         assert [set(lb.response_values("old_logprobs", i).tolist()) for i in range(len(lengths))] == [
             {float(n)} for n in lengths
         ]

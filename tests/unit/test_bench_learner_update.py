@@ -30,12 +30,12 @@ def test_a_saved_step_comes_back_with_its_tokens_advantages_and_shaping(tmp_path
     assert batch.advantage == [0.5, -0.5] and batch.shaping == pytest.approx([1.0, 1.02])
 
 
-def test_padded_tokens_of_a_split_by_hand():
-    """Rank 0: [40, 30] pads to 2 x 40, then [10] alone; rank 1: [20, 5, 5] pads to 3 x 20 = 60."""
+def test_steps_are_parsed_or_refused_by_name():
     bench = benchmark_module("bench_learner_update")
-    lengths = [40, 30, 10, 20, 5, 5]
-    assert bench.padded_tokens([[[0, 1], [2]], [[3, 4, 5], []]], lengths) == (150, 90)
     assert bench.parse_steps("2-4") == range(2, 5) and bench.parse_steps("7") == range(7, 8)
+    for bad in ("x", "5-2", "0-3", "2-"):
+        with pytest.raises(ValueError):
+            bench.parse_steps(bad)
 
 
 def test_the_learner_config_names_its_micro_batch_order():
