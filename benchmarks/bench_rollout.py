@@ -47,7 +47,7 @@ def run_pair(cfg, model_dir, engine_name: str, schedule: str, batches: list, hyb
             t0 = time.perf_counter()
             trajs, stats = loop.run_groups(tasks, cfg.algo.group_size)
             wall = time.perf_counter() - t0
-            generated = sum(sum(t.loss_mask) for t in trajs)
+            generated = sum(t.num_generated_tokens for t in trajs)
             rows.append(
                 {
                     "wall_s": wall,

@@ -43,7 +43,7 @@ def run_lockstep(
             if room <= 0:  # out of response budget or context (a prompt longer than the window ends here)
                 turns.finish(t, "length")
                 continue
-            prompts.append(t.prompt_ids + t.response_ids)
+            prompts.append(t.token_ids())
             params.append(turns.step_params(room, turns.rng))
             rows.append(i)
         if not rows:

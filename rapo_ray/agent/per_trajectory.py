@@ -54,7 +54,7 @@ def run_per_trajectory(
         if generating[0] == 0:
             generating[1] = time.perf_counter()
         generating[0] += 1
-        fut = turns.engine.submit(t.prompt_ids + t.response_ids, turns.step_params(room, rng_of(i)))
+        fut = turns.engine.submit(t.token_ids(), turns.step_params(room, rng_of(i)))
         in_flight[fut] = ("generate", i, time.perf_counter())
 
     def after_tool(i: int) -> None:

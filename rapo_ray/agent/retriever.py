@@ -139,7 +139,7 @@ def steps_of(tokenizer, traj: Trajectory, source: str = "expert") -> list[Stored
     out, history_ids, step_ids = [], [], []
     segs = traj.segments
     for k, (kind, s, e) in enumerate(segs):
-        ids = traj.response_ids[s:e]
+        ids = traj.response_ids[s:e].tolist()
         if kind == GENERATED:
             step_ids = list(ids)
             next_is_result = k + 1 < len(segs) and segs[k + 1][0] == "tool_result"
@@ -147,7 +147,7 @@ def steps_of(tokenizer, traj: Trajectory, source: str = "expert") -> list[Stored
                 history_ids += ids
                 continue
             rs, re_ = segs[k + 1][1], segs[k + 1][2]
-            value_ids = step_ids + traj.response_ids[rs:re_]
+            value_ids = step_ids + traj.response_ids[rs:re_].tolist()
             key = traj.question + tokenizer.decode(history_ids, skip_special_tokens=False)
             out.append(
                 StoredStep(

@@ -170,7 +170,7 @@ class AgentTurns:
 
     def query(self, t: Trajectory) -> str:
         """The retrieval query for ``t``'s next step: the tail of its question and history so far (spec §2)."""
-        history = self.tok.decode(t.response_ids, skip_special_tokens=False)
+        history = self.tok.decode(t.response_ids.tolist(), skip_special_tokens=False)
         return query_text(t.question, history, self.s.query_max_chars)
 
     def insert_retrievals(self, trajs, want, pending):

@@ -129,7 +129,7 @@ def train_sft(
 
 
 def sft_examples(trajs: list[Trajectory]) -> list[tuple[list[int], list[int]]]:
-    return [(t.prompt_ids + t.response_ids, [0] * len(t.prompt_ids) + t.loss_mask) for t in trajs if t.correct]
+    return [(t.token_ids(), [0] * len(t.prompt_ids) + t.loss_mask.tolist()) for t in trajs if t.correct]
 
 
 def sft_tasks(cfg, tasks: list, family: str = "") -> list:

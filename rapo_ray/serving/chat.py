@@ -189,7 +189,10 @@ FINISH_REASON = {"answer": "stop", "eos": "stop", "empty": "stop", "length": "le
 
 def segment_texts(tokenizer, traj) -> list[tuple[str, str]]:
     """(kind, text) of every segment of a trajectory, in order."""
-    return [(kind, tokenizer.decode(traj.response_ids[s:e], skip_special_tokens=False)) for kind, s, e in traj.segments]
+    return [
+        (kind, tokenizer.decode(traj.response_ids[s:e].tolist(), skip_special_tokens=False))
+        for kind, s, e in traj.segments
+    ]
 
 
 def answer_of(generated: str) -> str:

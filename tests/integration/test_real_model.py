@@ -79,7 +79,7 @@ def test_the_loop_on_a_real_bpe_tokenizer_keeps_tokens_as_sampled(smollm2_dir, t
     )
     (t,), _ = loop.run_groups([Task("q", "What is 6*7?", ("42",), "math")], 1)
     # the prompt is the model's chat template around the paper's system prompt
-    prompt = tok.decode(t.prompt_ids)
+    prompt = tok.decode(t.prompt_ids.tolist())
     assert prompt.startswith("<|im_start|>system\n" + protocol.SYSTEM_PROMPT) and prompt.endswith(
         "<|im_start|>assistant\n"
     )
@@ -88,8 +88,8 @@ def test_the_loop_on_a_real_bpe_tokenizer_keeps_tokens_as_sampled(smollm2_dir, t
     assert kinds == [GENERATED, TOOL_RESULT, RETRIEVED, GENERATED]
     segs = {k: [] for k in (GENERATED, TOOL_RESULT, RETRIEVED)}
     for kind, a, b in t.segments:
-        segs[kind].append(t.response_ids[a:b])
-        assert set(t.loss_mask[a:b]) == {1 if kind == GENERATED else 0}
+        segs[kind].append(t.response_ids[a:b].tolist())
+        assert set(t.loss_mask[a:b].tolist()) == {1 if kind == GENERATED else 0}
     assert segs[GENERATED] == engine.produced  # exactly the sampled ids
     assert tok.decode(segs[TOOL_RESULT][0]) == "<result>42</result>"
     enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731

@@ -88,7 +88,7 @@ def test_k1_rolls_out_ahead_and_resumes_from_the_queue_exactly(ahead_cfg, sync_c
         second = trainer.step()
         assert second["staleness/lag1"] == 8 and second["staleness_max"] == 1 and second["stale_groups_dropped"] == 0
         checkpoint = trainer.save()  # after step 2, with step 3's rollout queued
-        queued = [t.response_ids for t in trainer.ahead[0].batch]
+        queued = [t.response_ids.tolist() for t in trainer.ahead[0].batch]
         third = trainer.step()
         assert not trainer.ahead  # nothing is rolled out past trainer.total_steps
         assert third["staleness/lag1"] == 8
@@ -100,7 +100,9 @@ def test_k1_rolls_out_ahead_and_resumes_from_the_queue_exactly(ahead_cfg, sync_c
     resumed = _trainer(ahead_cfg, policy_dir, tmp_path / "resumed")
     try:
         resumed.load(checkpoint)
-        assert [t.response_ids for t in resumed.ahead[0].batch] == queued  # the queue came back, not a new rollout
+        assert [
+            t.response_ids.tolist() for t in resumed.ahead[0].batch
+        ] == queued  # the queue came back, not a new rollout
         m = resumed.step()
         assert m["staleness/lag1"] == 8 and m["reward"] == third["reward"]
         assert _equal(straight, resumed.learners.state_dict())

@@ -185,7 +185,7 @@ def test_relays_give_the_direct_calls_batch_and_lose_no_group_when_a_worker_or_r
     every = sorted((g, s) for g, _ in groups for s in range(2))
 
     def rows(batch):
-        return [(t.group_id, t.slot, list(t.response_ids), list(t.logprobs)) for t in batch]
+        return [(t.group_id, t.slot, t.response_ids.tolist(), t.logprobs.tolist()) for t in batch]
 
     try:
         want, _ = fleet.run_step(groups, group_size=2, seed=3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from rapo_ray.agent.loop import AgentLoop, LoopSettings
@@ -129,8 +130,8 @@ def test_token_in_token_out(tiny_tokenizer, tools):
     assert t.segment_ids(GENERATED) == eng.produced  # exactly what the engine produced
     res = tiny_tokenizer("<result>42</result>", add_special_tokens=False)["input_ids"]
     assert t.segment_ids(TOOL_RESULT) == [res]
-    assert t.response_ids == eng.produced[0] + res + eng.produced[1]
-    assert t.loss_mask == [1] * len(eng.produced[0]) + [0] * len(res) + [1] * len(eng.produced[1])
+    assert t.response_ids.tolist() == eng.produced[0] + res + eng.produced[1]
+    assert t.loss_mask.tolist() == [1] * len(eng.produced[0]) + [0] * len(res) + [1] * len(eng.produced[1])
     assert t.correct and t.reward == 1.0 and t.logprobs[len(eng.produced[0])] == 0.0
 
 
@@ -207,7 +208,7 @@ def test_a_query_is_the_tail_of_question_and_history_that_the_config_names(tiny_
     trajs, _ = loop.run_groups(tasks, group_size=2)
     assert recording.queries and all(len(q) == 40 for q in recording.queries)
     full = [
-        t.question + tiny_tokenizer.decode(t.response_ids[:s], skip_special_tokens=False)
+        t.question + tiny_tokenizer.decode(t.response_ids[:s].tolist(), skip_special_tokens=False)
         for t in trajs
         for k, s, _ in t.segments
         if k == RETRIEVED
@@ -415,7 +416,8 @@ def test_arpo_branching_fills_group(tiny_cfg, tiny_tokenizer, tools, schedule):
         assert len(group) == 5 and len({t.slot for t in group}) == 5
         branches = [t for t in group if t.slot_kind == "branch"]
         assert branches and all(
-            t.response_ids[: t.branch_point] == group[t.parent].response_ids[: t.branch_point] for t in branches
+            np.array_equal(t.response_ids[: t.branch_point], group[t.parent].response_ids[: t.branch_point])
+            for t in branches
         )
 
 
@@ -479,7 +481,7 @@ def test_per_trajectory_schedule_equals_lockstep_with_a_model(tiny_cfg, tiny_mod
         runs[schedule] = loop.run_groups(tasks_, 2)[0]
     for a, b in zip(runs["lockstep"], runs["per_trajectory"]):
         assert (a.problem_id, a.slot) == (b.problem_id, b.slot)
-        assert a.response_ids == b.response_ids and a.segments == b.segments and a.reward == b.reward
+        assert np.array_equal(a.response_ids, b.response_ids) and a.segments == b.segments and a.reward == b.reward
         assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs)), default=0.0) < 1e-4
 
 
@@ -489,7 +491,7 @@ def test_context_window_bounds_prompt_plus_response(tiny_tokenizer, tools):
     eng = ScriptEngine(tiny_tokenizer, steps)
     loop = AgentLoop(eng, tiny_tokenizer, tools, settings(max_context=20, max_tool_calls=9))
     (t,), _ = loop.run_groups([Task("q", "word " * 50, ("1",))], 1)
-    assert t.finish_reason == "length" and t.response_ids == [] and eng.calls.get("n", 0) == 0
+    assert t.finish_reason == "length" and len(t.response_ids) == 0 and eng.calls.get("n", 0) == 0
     loop = AgentLoop(
         ScriptEngine(tiny_tokenizer, steps), tiny_tokenizer, tools, settings(max_context=80, max_tool_calls=9)
     )

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import pickle
 from array import array
 
+import numpy as np
 import pytest
 import torch
 
 from rapo_ray.types.batch import PARQUET_COLUMNS, TrajectoryBatch
 from rapo_ray.types.learner_batch import LearnerBatch
-from rapo_ray.types.trajectory import GENERATED, RETRIEVED, TOOL_RESULT, Retrieval, Trajectory
+from rapo_ray.types.trajectory import GENERATED, RETRIEVED, TOKEN_DTYPES, TOOL_RESULT, Retrieval, Trajectory
 
 
 def _traj(i: int, n_resp: int, group: str = "g") -> Trajectory:
@@ -40,18 +43,38 @@ def test_select_concat_keep_rows_and_stage_fields_aligned():
         TrajectoryBatch.concat([b.select([0]), b.select([1])])
 
 
-def test_trajectory_pickles_its_token_lists_as_lists_and_reads_a_packed_state_back_as_lists():
+def test_trajectory_token_fields_are_arrays_that_cross_a_pickle_exactly_and_older_pickles_load_as_arrays():
     t = _traj(1, 6)
-    t.prompt_ids = [1, 2**40]
+    t.prompt_ids = [1, 2**31 - 1]
     t.logprobs = [-0.1234567890123, *t.logprobs[1:]]
-    back = pickle.loads(pickle.dumps(t, protocol=5))
-    assert back == t and all(type(getattr(back, k)) is list for k in ("prompt_ids", "response_ids", "logprobs"))
-    # a trajectory pickled while the per-token lists were packed (a checkpoint's rollout-ahead queue) holds arrays
-    packed = dict(t.__dict__, prompt_ids=array("q", t.prompt_ids), response_ids=array("i", t.response_ids))
-    packed["logprobs"] = array("d", t.logprobs)
-    legacy = Trajectory.__new__(Trajectory)
-    legacy.__setstate__(packed)
-    assert legacy == t and type(legacy.prompt_ids) is list and type(legacy.logprobs) is list
+    assert {k: getattr(t, k).dtype for k in TOKEN_DTYPES} == {k: np.dtype(v) for k, v in TOKEN_DTYPES.items()}
+    payload = pickle.dumps(t, protocol=5)
+    back = pickle.loads(payload)
+    assert back == t and back.logprobs[0] == -0.1234567890123 and back.prompt_ids.tolist() == [1, 2**31 - 1]
+    assert back != dataclasses.replace(t, response_ids=[*t.response_ids[:-1], 0])  # equality looks at the tokens
+    # each field goes as one raw buffer (out of band, as Ray's serializer sends it), not value by value
+    buffers = []
+    pickle.dumps(t, protocol=5, buffer_callback=buffers.append)
+    assert sorted(memoryview(b).nbytes for b in buffers) == sorted(getattr(t, k).nbytes for k in TOKEN_DTYPES)
+    # a trajectory pickled before (a checkpoint's rollout-ahead queue): lists, or for a while packed ``array``s
+    as_lists = {k: (v.tolist() if k in TOKEN_DTYPES else v) for k, v in t.__dict__.items()}
+    packed = dict(as_lists, prompt_ids=array("q", as_lists["prompt_ids"]), logprobs=array("d", as_lists["logprobs"]))
+    for state in (as_lists, packed):
+        legacy = Trajectory.__new__(Trajectory)
+        legacy.__setstate__(state)
+        assert legacy == t and all(type(getattr(legacy, k)) is np.ndarray for k in TOKEN_DTYPES)
+
+
+def test_trajectory_refuses_token_values_its_arrays_cannot_hold_by_name():
+    t = _traj(1, 2)
+    with pytest.raises(ValueError, match=r"Trajectory.prompt_ids: cannot hold these values as int32"):
+        t.prompt_ids = [1, 2**40]
+    with pytest.raises(ValueError, match=r"Trajectory.response_ids: expected one value per token"):
+        t.response_ids = [[1, 2], [3, 4]]
+    before = copy.deepcopy(t)
+    with pytest.raises(ValueError, match=r"Trajectory.append: 1 logprobs for 2 tokens"):
+        t.append(GENERATED, [5, 6], [-0.5])
+    assert t == before  # a refused value leaves the trajectory as it was
 
 
 def test_require_names_the_missing_stage():

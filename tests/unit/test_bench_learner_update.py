@@ -25,8 +25,11 @@ def test_a_saved_step_comes_back_with_its_tokens_advantages_and_shaping(tmp_path
     }
     pq.write_table(pa.table(rows), tmp_path / "step-000003.parquet")
     batch = bench.step_batch(tmp_path / "step-000003.parquet")
-    assert [t.prompt_ids + t.response_ids for t in batch] == [[3, 4, 7, 8, 9], [3, 7]]
-    assert [t.loss_mask for t in batch] == [[1, 0, 1], [1]] and [t.slot_kind for t in batch] == ["on_policy", "hybrid"]
+    assert [t.token_ids() for t in batch] == [[3, 4, 7, 8, 9], [3, 7]]
+    assert [t.loss_mask.tolist() for t in batch] == [[1, 0, 1], [1]] and [t.slot_kind for t in batch] == [
+        "on_policy",
+        "hybrid",
+    ]
     assert batch.advantage == [0.5, -0.5] and batch.shaping == pytest.approx([1.0, 1.02])
 
 

@@ -138,7 +138,9 @@ def test_policy_sampler_draws_n_seeded_on_policy_samples_per_question(tiny_cfg, 
     again = PolicySampler(str(tiny_model_dir), to_dict(cfg), seed=5).trajectories(tasks, 3)
     assert sorted((t.problem_id, t.slot) for t in first) == sorted((t.id, s) for t in tasks for s in range(3))
     assert all(kind in (GENERATED, TOOL_RESULT) for t in first for kind, *_ in t.segments)  # on-policy
-    assert [t.response_ids for t in first] == [t.response_ids for t in again]  # a rebuild draws the same samples
+    assert [t.response_ids.tolist() for t in first] == [
+        t.response_ids.tolist() for t in again
+    ]  # a rebuild draws the same samples
     assert len({tuple(t.response_ids) for t in first}) > 1  # sampled at the training temperature, not greedy
 
 

@@ -53,7 +53,7 @@ def test_alias_family_asks_in_words_the_corpus_never_uses(tiny_cfg, tiny_tokeniz
     loop = AgentLoop(ScriptedExpertEngine(tiny_tokenizer), tiny_tokenizer, tools, settings())
     trajs, _ = loop.run_groups([to_task(p) for p in probs], 1)
     assert all(t.correct and t.format_ok for t in trajs)
-    first = re.search(r"<search>(\w+) of", tiny_tokenizer.decode(trajs[0].response_ids)).group(1)
+    first = re.search(r"<search>(\w+) of", tiny_tokenizer.decode(trajs[0].response_ids.tolist())).group(1)
     assert first == bundled.ALIASES[re.findall(r"the (\w+) of", probs[0].question)[-1]]
 
 
