@@ -351,25 +351,27 @@ def _gather(refs: list) -> list:
 MICRO_BATCH_PAD_SLACK = 0.1
 
 
-def micro_batch_rows(lengths: Sequence[int], world: int, micro: int, order: str) -> list[list[list[int]]]:
+def micro_batch_rows(lengths: Sequence[int], world: int, max_rows: int, order: str) -> list[list[list[int]]]:
     """[rank][micro-batch] -> row indices of a batch whose rows have these token lengths, by ``order``
-    (``LearnerConfig.micro_batch_order``):
+    (``LearnerConfig.micro_batch_order``), with at most ``max_rows`` rows per micro-batch (0: no cap):
 
     - ``balanced``: ``batch.balanced_micro_batches``: rows of like length together, dealt so the ranks pad about the
-      same number of tokens; ``micro`` caps rows per micro-batch (0: one micro-batch per rank, of any size).
-    - ``row-order``: row i goes to rank ``i % world``, whose rows are cut every ``micro`` rows.
+      same number of tokens (uncapped: one micro-batch per rank, a rank of long rows getting fewer rows).
+    - ``row-order``: row i goes to rank ``i % world``, whose rows are cut every ``max_rows`` rows (uncapped: one
+      micro-batch of its whole share).
     - ``length-sorted``: as row-order, then each rank's rows sorted by length and cut where padding would pass
-      ``MICRO_BATCH_PAD_SLACK`` (``batch.length_sorted_groups``), at most ``micro`` rows each.
+      ``MICRO_BATCH_PAD_SLACK`` (``batch.length_sorted_groups``).
 
     Every rank gets the same number of micro-batches (FSDP's collectives need every rank in every forward/backward):
     a rank with fewer gets empty ones, sent as padding rows."""
-    if order == "balanced":
-        return balanced_micro_batches(lengths, world, micro)
-    if order not in MICRO_BATCH_ORDERS or micro < 1:
+    if order not in MICRO_BATCH_ORDERS or max_rows < 0:
         raise ValueError(
-            f"micro_batch_rows: order {order!r} must be one of {MICRO_BATCH_ORDERS}, and micro ({micro}) >= 1 "
-            "unless it is balanced"
+            f"micro_batch_rows: order {order!r} must be one of {MICRO_BATCH_ORDERS}, and max_rows ({max_rows}) >= 0"
         )
+    if order == "balanced":
+        return balanced_micro_batches(lengths, world, max_rows)
+    share = math.ceil(len(lengths) / world)
+    micro = max(1, min(share, max_rows) if max_rows else share)
     per_rank = [list(range(r, len(lengths), world)) for r in range(world)]
     out = []
     for rows in per_rank:
@@ -383,11 +385,11 @@ def micro_batch_rows(lengths: Sequence[int], world: int, micro: int, order: str)
 
 
 def split_for_ranks(
-    batch: LearnerBatch, world: int, micro: int, pad_id: int, order: str = "row-order"
+    batch: LearnerBatch, world: int, max_rows: int, pad_id: int, order: str = "row-order"
 ) -> tuple[list[list[LearnerBatch]], list[list[list[int]]]]:
     """``batch`` -> ([rank][micro-batch] batches, their row indices as ``micro_batch_rows`` gives them); an empty
     micro-batch is a one-row padding batch that weighs nothing in the loss."""
-    rows = micro_batch_rows(batch.length.tolist(), world, micro, order)
+    rows = micro_batch_rows(batch.length.tolist(), world, max_rows, order)
     pad = LearnerBatch.padding(1, pad_id, like=batch)
     return [[batch.select(mb) if mb else pad for mb in mbs] for mbs in rows], rows
 
@@ -447,10 +449,11 @@ class LearnerGroup:
         under the current policy. Returns the pass's padded tokens (rows x longest row of every micro-batch, padding
         micro-batches included), over all ranks and on the slowest rank, as ``update`` reports its own."""
         world, lc = self.world_size, self.cfg.learner
-        micro = lc.micro_rows(lc.mini_batch_size // world)
+        # the whole batch at once: micro-batches no bigger than the update's, to bound the pass's memory
+        max_rows = lc.micro_rows(lc.mini_batch_size // world)
         behaviour = self.cfg.algo.behaviour_correction != "none"
         lb = LearnerBatch.from_trajectories(batch.trajectories, self.pad_id, behaviour=behaviour)
-        per_rank, rows = split_for_ranks(lb, world, micro, self.pad_id, lc.micro_batch_order())
+        per_rank, rows = split_for_ranks(lb, world, max_rows, self.pad_id, lc.micro_batch_order())
         results = _gather([w.forward_old.remote(mbs) for w, mbs in zip(self.workers, per_rank)])
         logp = torch.zeros_like(lb.response_mask)
         ent = torch.zeros_like(lb.response_mask)
@@ -487,11 +490,7 @@ class LearnerGroup:
             else:
                 per_rank: list[list] = [[] for _ in range(world)]
                 for mini, denom in zip(minis, denoms):
-                    # balanced sizes each rank's share itself; micro_batch_size only caps its micro-batches
-                    micro = (
-                        lc.micro_batch_size if dealing == "balanced" else lc.micro_rows(math.ceil(len(mini) / world))
-                    )
-                    split, _ = split_for_ranks(mini, world, micro, self.pad_id, dealing)
+                    split, _ = split_for_ranks(mini, world, lc.micro_batch_size, self.pad_id, dealing)
                     for rank in range(world):
                         per_rank[rank].append((split[rank], denom))
                 stats = _gather([w.update.remote(per_rank[r]) for r, w in enumerate(self.workers)])

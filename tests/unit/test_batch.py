@@ -179,7 +179,7 @@ def test_split_for_ranks_round_robin_with_padding():
 
     lb = LearnerBatch.from_trajectories([_traj(i, 4 + i) for i in range(5)], pad_id=0)
     lb.old_logprobs = torch.zeros_like(lb.response_mask)
-    per_rank, rows = split_for_ranks(lb, world=2, micro=2, pad_id=0)
+    per_rank, rows = split_for_ranks(lb, world=2, max_rows=2, pad_id=0)
     assert rows == [[[0, 2], [4]], [[1, 3], []]]
     # rank 0 gets rows 0, 2, 4 (two micro-batches); rank 1 rows 1, 3 and one padding micro-batch
     assert [mb.row.tolist() for mb in per_rank[0]] == [[0, 2], [4]]
@@ -203,19 +203,23 @@ def test_length_sorted_groups_by_hand():
 def test_length_sorted_micro_batches_per_rank_with_the_same_count_on_every_rank():
     """Rank 0 holds rows 0, 2, 4, 6 (lengths 10, 11, 40, 41), rank 1 rows 1, 3, 5 (10, 10, 10): rank 0 cuts two
     micro-batches of like lengths, rank 1 needs one and gets an empty (padding) one to match; row order, the
-    old behaviour, cuts every ``micro`` rows."""
+    old behaviour, cuts every ``max_rows`` rows, and uncapped (0) gives each rank one micro-batch of its share."""
     from rapo_ray.workers.learner import micro_batch_rows
 
     lengths = [10, 10, 11, 10, 40, 10, 41]
-    assert micro_batch_rows(lengths, world=2, micro=4, order="length-sorted") == [[[0, 2], [4, 6]], [[1, 3, 5], []]]
-    assert micro_batch_rows(lengths, world=2, micro=4, order="row-order") == [[[0, 2, 4, 6]], [[1, 3, 5]]]
-    assert micro_batch_rows(lengths, world=2, micro=1, order="length-sorted") == [
+    for max_rows in (0, 4):
+        assert micro_batch_rows(lengths, 2, max_rows, "length-sorted") == [[[0, 2], [4, 6]], [[1, 3, 5], []]]
+        assert micro_batch_rows(lengths, 2, max_rows, "row-order") == [[[0, 2, 4, 6]], [[1, 3, 5]]]
+    assert micro_batch_rows(lengths, 2, 3, "row-order") == [[[0, 2, 4], [6]], [[1, 3, 5], []]]
+    assert micro_batch_rows(lengths, world=2, max_rows=1, order="length-sorted") == [
         [[0], [2], [4], [6]],
         [[1], [3], [5], []],
     ]
-    assert micro_batch_rows([], world=2, micro=4, order="length-sorted") == [[[]], [[]]]
+    assert micro_batch_rows([], world=2, max_rows=4, order="length-sorted") == [[[]], [[]]]
     with pytest.raises(ValueError, match="order 'sorted'"):
-        micro_batch_rows(lengths, world=2, micro=4, order="sorted")
+        micro_batch_rows(lengths, world=2, max_rows=4, order="sorted")
+    with pytest.raises(ValueError, match=r"max_rows \(-1\) >= 0"):
+        micro_batch_rows(lengths, world=2, max_rows=-1, order="row-order")
 
 
 def test_balanced_micro_batches_by_hand():
@@ -259,7 +263,7 @@ def test_balanced_micro_batches_cover_every_row_once_and_never_pad_more_than_row
         assert sorted(i for mbs in got for mb in mbs for i in mb) == list(range(len(lengths)))
         assert all(len(mb) <= (max_rows or len(lengths)) for mbs in got for mb in mbs)
         share = max(1, -(-len(lengths) // world))
-        row_order = micro_batch_rows(lengths, world, min(share, max_rows or share), "row-order")
+        row_order = micro_batch_rows(lengths, world, max_rows, "row-order")
         assert len(got[0]) <= len(row_order[0])
         if max_rows == 0 or max_rows >= share:
             assert slowest(got, lengths) <= slowest(row_order, lengths)
