@@ -134,7 +134,8 @@ class LearnerWorker(SyncMember):
     def _logits(self, ids, attn, model=None):
         model = self.model if model is None else model
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            logits = model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device)).logits
+            # no KV cache: nothing here decodes, and a cache would hold every layer's keys and values to the end
+            logits = model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), use_cache=False).logits
         return logits[:, :-1].float()
 
     @torch.no_grad()
