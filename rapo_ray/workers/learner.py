@@ -450,7 +450,7 @@ class LearnerGroup:
         under the current policy. Returns the pass's padded tokens (rows x longest row of every micro-batch, padding
         micro-batches included), over all ranks and on the slowest rank, as ``update`` reports its own."""
         world, lc = self.world_size, self.cfg.learner
-        # the whole batch at once: micro-batches no bigger than the update's, to bound the pass's memory
+        # one pass over the whole batch, in micro-batches no bigger than a rank's share of a mini-batch (memory)
         max_rows = lc.micro_rows(lc.mini_batch_size // world)
         behaviour = self.cfg.algo.behaviour_correction != "none"
         lb = LearnerBatch.from_trajectories(batch.trajectories, self.pad_id, behaviour=behaviour)
