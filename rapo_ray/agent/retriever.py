@@ -136,18 +136,17 @@ class InMemoryStepRetriever:
 def steps_of(tokenizer, traj: Trajectory, source: str = "expert") -> list[StoredStep]:
     """Split a trajectory into (key = history before the step, value = the step) pairs; answer steps and
     retrieved blocks are excluded (spec §8.3)."""
-    out, history_ids, step_ids = [], [], []
+    out, history_ids = [], []
     segs = traj.segments
     for k, (kind, s, e) in enumerate(segs):
         ids = traj.response_ids[s:e].tolist()
         if kind == GENERATED:
-            step_ids = list(ids)
             next_is_result = k + 1 < len(segs) and segs[k + 1][0] == "tool_result"
             if not next_is_result:  # an answer step or a truncated one: not stored
                 history_ids += ids
                 continue
             rs, re_ = segs[k + 1][1], segs[k + 1][2]
-            value_ids = step_ids + traj.response_ids[rs:re_].tolist()
+            value_ids = ids + traj.response_ids[rs:re_].tolist()
             key = traj.question + tokenizer.decode(history_ids, skip_special_tokens=False)
             out.append(
                 StoredStep(
