@@ -1,16 +1,19 @@
 """The learner's two passes (old log-probs, then the PPO update) replayed on finished runs' own steps, once per way of
-dealing rows to ranks and micro-batches (``learner.balanced_micro_batches`` / ``length_sorted_micro_batches``): seconds
-and padded tokens per step, so a GRPO run and a RAPO run can be compared on their real rows with nothing else running.
+dealing rows to ranks and micro-batches (``learner.balanced_micro_batches`` / ``length_sorted_micro_batches``) and per
+way of computing logits (``learner.logits_only_at_targets``: ``targets``, the LM head only where a pass reads
+log-probs; ``all``, at every padded position): seconds and padded tokens per step, so a GRPO run and a RAPO run can be
+compared on their real rows with nothing else running.
 
     python benchmarks/bench_learner_update.py --run RUNS/grpo-s0 --run RUNS/rapo-s0 --model-dir MODEL \\
-        --orders balanced,row-order --steps 2-30 --out benchmarks/results/learner_update.json
+        --orders balanced,row-order --logits targets --steps 2-30 --out benchmarks/results/learner_update.json
 
 Each run is replayed with its own ``config.yaml`` on one ``LearnerGroup`` (the run's learner ranks, FSDP, gloo),
 starting from ``--model-dir`` (the runs' starting model). For every saved step (``trajectories/step-*.parquet``) and
-every order in turn (orders alternate within a step, so a drifting box weighs on each alike): the old-policy pass over
-the step's rows, then the update with the advantages and shaping the run computed. The weights move with every update,
-which changes no shape and so no cost. Padded tokens are the sum over micro-batches of rows x longest row, as the learner group reports them; the slowest
-rank's are what a step waits for (ranks meet at every collective). Prints a table and writes JSON (``--out``).
+every variant (order x logits) in turn (variants alternate within a step, so a drifting box weighs on each alike): the
+old-policy pass over the step's rows, then the update with the advantages and shaping the run computed. The weights
+move with every update, which changes no shape and so no cost. Padded tokens are the sum over micro-batches of rows x
+longest row, as the learner group reports them; the slowest rank's are what a step waits for (ranks meet at every
+collective). Prints a table and writes JSON (``--out``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ ORDER_FLAGS = {  # types.batch.MICRO_BATCH_ORDERS -> (balanced_micro_batches, le
     "row-order": (False, False),
     "length-sorted": (False, True),
 }
+LOGITS_FLAGS = {"targets": True, "all": False}  # -> learner.logits_only_at_targets
 COLUMNS = ["prompt_ids", "response_ids", "loss_mask", "logprobs", "slot_kind", "advantage", "shaping"]
 
 
@@ -64,30 +68,46 @@ def parse_steps(text: str) -> range:
     return steps
 
 
-def replay(run_dir: Path, model_dir: Path, orders: list[str], steps: range) -> dict:
+def variant_name(order: str, logits: str, logits_modes: list[str]) -> str:
+    """A variant's name in the report: the order, with ``/logits`` when more than one logits mode is compared."""
+    return f"{order}/{logits}" if len(logits_modes) > 1 else order
+
+
+def _set_logits_mode(worker, only_at_targets: bool) -> None:  # runs inside a LearnerWorker (``__ray_call__``)
+    worker.cfg.learner.logits_only_at_targets = only_at_targets
+
+
+def replay(
+    run_dir: Path, model_dir: Path, orders: list[str], steps: range, logits_modes: list[str] = ("targets",)
+) -> dict:
     cfg = load_config(run_dir / "config.yaml")
     files = [run_dir / "trajectories" / f"step-{s:06d}.parquet" for s in steps]
     files = [f for f in files if f.exists()]
     if not files:
         raise SystemExit(f"{run_dir}: no trajectories/step-*.parquet for steps {steps.start}-{steps.stop - 1}")
     group = LearnerGroup(cfg, model_dir)
-    per_order: dict[str, dict[str, list[float]]] = {o: {} for o in orders}
+    variants = [(o, m) for m in logits_modes for o in orders]
+    per_variant: dict[str, dict[str, list[float]]] = {variant_name(o, m, logits_modes): {} for o, m in variants}
     try:
         for k, f in enumerate(files):
             batch = step_batch(f)
             lengths = [len(t.prompt_ids) + len(t.response_ids) for t in batch]
-            for order in orders if k % 2 == 0 else orders[::-1]:
+            for order, mode in variants if k % 2 == 0 else variants[::-1]:
                 balanced, length_sorted = ORDER_FLAGS[order]
                 learner = replace(
-                    cfg.learner, balanced_micro_batches=balanced, length_sorted_micro_batches=length_sorted
+                    cfg.learner,
+                    balanced_micro_batches=balanced,
+                    length_sorted_micro_batches=length_sorted,
+                    logits_only_at_targets=LOGITS_FLAGS[mode],
                 )
                 group.cfg = replace(cfg, learner=learner)
+                ray.get([w.__ray_call__.remote(_set_logits_mode, LOGITS_FLAGS[mode]) for w in group.workers])
                 t0 = time.perf_counter()
                 old = group.forward_old(batch)
                 t1 = time.perf_counter()
                 stats = group.update(batch, step=int(f.stem.split("-")[1]))
                 t2 = time.perf_counter()
-                rec = per_order[order]
+                rec = per_variant[variant_name(order, mode, logits_modes)]
                 for key, value in (
                     ("old_logprob_s", t1 - t0),
                     ("update_s", t2 - t1),
@@ -96,6 +116,7 @@ def replay(run_dir: Path, model_dir: Path, orders: list[str], steps: range) -> d
                     ("update_padded_tokens", stats["padded_tokens"]),
                     ("update_slowest_rank_tokens", stats["slowest_rank_padded_tokens"]),
                     ("real_tokens", sum(lengths)),
+                    ("loss_tokens", sum(int(t.loss_mask.sum()) for t in batch)),
                 ):
                     rec.setdefault(key, []).append(value)
     finally:
@@ -105,8 +126,8 @@ def replay(run_dir: Path, model_dir: Path, orders: list[str], steps: range) -> d
         "algo": cfg.algo.name,
         "steps": len(files),
         "orders": {
-            order: {f"median_{k}" if k.endswith("_s") else f"mean_{k}": _summary(k, v) for k, v in rec.items()}
-            for order, rec in per_order.items()
+            name: {f"median_{k}" if k.endswith("_s") else f"mean_{k}": _summary(k, v) for k, v in rec.items()}
+            for name, rec in per_variant.items()
         },
     }
 
@@ -120,6 +141,9 @@ def main() -> None:
     ap.add_argument("--run", action="append", required=True, help="a finished run's folder (repeat for several)")
     ap.add_argument("--model-dir", required=True, help="the HF folder the runs started from")
     ap.add_argument("--orders", default="balanced,row-order", help=f"comma-separated, of {list(ORDER_FLAGS)}")
+    ap.add_argument(
+        "--logits", default="targets", help=f"comma-separated, of {list(LOGITS_FLAGS)} (learner.logits_only_at_targets)"
+    )
     ap.add_argument("--steps", default="2-30", help="saved steps to replay, FIRST-LAST (step 1 warms caches)")
     ap.add_argument("--out", default="benchmarks/results/learner_update.json")
     args = ap.parse_args()
@@ -127,6 +151,9 @@ def main() -> None:
     bad = [o for o in orders if o not in ORDER_FLAGS]
     if bad or not orders:
         ap.error(f"--orders {args.orders!r}: each must be one of {list(ORDER_FLAGS)}")
+    logits_modes = [m for m in args.logits.split(",") if m]
+    if not logits_modes or any(m not in LOGITS_FLAGS for m in logits_modes):
+        ap.error(f"--logits {args.logits!r}: each must be one of {list(LOGITS_FLAGS)}")
     for run in args.run:
         if not Path(run, "config.yaml").is_file():
             ap.error(f"--run {run}: no config.yaml there (a run folder holds config.yaml and trajectories/)")
@@ -138,17 +165,17 @@ def main() -> None:
         ap.error(f"--model-dir {args.model_dir}: not an HF model folder (no config.json)")
     init_ray(load_config(Path(args.run[0]) / "config.yaml"))
     try:
-        results = [replay(Path(r), Path(args.model_dir), orders, steps) for r in args.run]
+        results = [replay(Path(r), Path(args.model_dir), orders, steps, logits_modes) for r in args.run]
     finally:
         ray.shutdown()
     print(
-        f"{'run':24} {'order':14} {'real tokens':>11} | {'old s':>6} {'padded':>7} {'slowest':>7} | "
+        f"{'run':24} {'variant':18} {'real tokens':>11} | {'old s':>6} {'padded':>7} {'slowest':>7} | "
         f"{'update s':>8} {'padded':>7} {'slowest':>7}"
     )
     for res in results:
         for order, s in res["orders"].items():
             print(
-                f"{Path(res['run']).name:24} {order:14} {s['mean_real_tokens']:11.0f} | "
+                f"{Path(res['run']).name:24} {order:18} {s['mean_real_tokens']:11.0f} | "
                 f"{s['median_old_logprob_s']:6.3f} {s['mean_old_padded_tokens']:7.0f} "
                 f"{s['mean_old_slowest_rank_tokens']:7.0f} | {s['median_update_s']:8.3f} "
                 f"{s['mean_update_padded_tokens']:7.0f} {s['mean_update_slowest_rank_tokens']:7.0f}"

@@ -56,8 +56,7 @@ class PolicyLossConfig:
 
 
 def target_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """log pi(ids[:, t+1] | ids[:, :t+1]) for every position: the target's logit minus the row's logsumexp, which
-    keeps no full-vocabulary log_softmax alive (at a 152k vocabulary, one more copy of the logits).
+    """log pi(ids[:, t+1] | ids[:, :t+1]) for every position (``logprobs_of`` on each position's logits).
 
     Args:
         logits: [B, L-1, V] float, the model's logits at positions 0..L-2.
@@ -66,8 +65,21 @@ def target_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     Returns:
         [B, L-1] log-probs.
     """
-    target = logits.gather(-1, ids[:, 1:, None].to(logits.device))[..., 0]
-    return target - torch.logsumexp(logits, -1)
+    return logprobs_of(logits, ids[:, 1:].to(logits.device))
+
+
+def logprobs_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[target] per row of logits: the target's logit minus the row's logsumexp, which keeps no
+    full-vocabulary log_softmax alive (at a 152k vocabulary, one more copy of the logits).
+
+    Args:
+        logits: [..., V] float.
+        targets: [...] int64 token ids.
+
+    Returns:
+        [...] log-probs.
+    """
+    return logits.gather(-1, targets[..., None])[..., 0] - torch.logsumexp(logits, -1)
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kl_type: str) -> torch.Tensor:

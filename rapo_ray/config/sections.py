@@ -498,6 +498,15 @@ class LearnerConfig:
         "trainer.learner_feed=streaming_split.",
     )
 
+    logits_only_at_targets: bool = option(
+        True,
+        "Apply the LM head only where a pass reads log-probs (the generated targets that the old-policy pass and "
+        "the update read), not at every padded position: the head, its softmax and their gradients, and a large "
+        "vocabulary's logits memory, shrink to those rows (rapo_ray/model/target_logits.py). The same log-probs to "
+        "float rounding. false: every position's logits, selected afterwards (for a model whose forward does not "
+        "apply its output embedding to its last hidden states; such a model stops with an error naming this option).",
+    )
+
     def micro_batch_order(self) -> str:
         """How the learner cuts rows into [rank][micro-batch] (one of ``types.batch.MICRO_BATCH_ORDERS``)."""
         if self.length_sorted_micro_batches:

@@ -113,7 +113,17 @@ def cold_start(cfg, log=print) -> Path:
     log(f"cold start: {counts['kept']} demonstrations from {c.file} ({counts}); {c.steps} SFT steps")
     model = load_model(base)
     warmup = max(1, c.steps // 10)  # a short run reaches its peak rate
-    losses = train_sft(model, examples, c.steps, lr=c.lr, batch_size=c.batch_size, seed=c.seed, log=log, warmup=warmup)
+    losses = train_sft(
+        model,
+        examples,
+        c.steps,
+        lr=c.lr,
+        batch_size=c.batch_size,
+        seed=c.seed,
+        log=log,
+        warmup=warmup,
+        logits_only_at_targets=cfg.learner.logits_only_at_targets,
+    )
     save_model(model, tok, out)
     record = {
         "base": str(base),

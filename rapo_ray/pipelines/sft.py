@@ -25,6 +25,7 @@ from rapo_ray.algos.rapo import HybridRollout
 from rapo_ray.core.devices import machine_record
 from rapo_ray.envs.suite import build_tools, task_difficulty, task_splits
 from rapo_ray.model.factory import load_model, load_tokenizer, resolve_model_dir, save_model
+from rapo_ray.model.target_logits import logits_at
 from rapo_ray.pipelines.expert import ScriptedExpertEngine
 from rapo_ray.retrieval.search_index import search_index_for
 from rapo_ray.types.trajectory import Trajectory
@@ -82,9 +83,11 @@ def train_sft(
     seed: int = 0,
     log=print,
     warmup: int = 50,
+    logits_only_at_targets: bool = True,
 ) -> list[float]:
     """Next-token loss on positions whose mask is 1. ``examples``: (token ids, loss mask) pairs. The learning rate
-    rises linearly for ``warmup`` steps, then follows a cosine to 0 at ``steps``."""
+    rises linearly for ``warmup`` steps, then follows a cosine to 0 at ``steps``. ``logits_only_at_targets``: the
+    LM head runs only at those positions (``learner.logits_only_at_targets``, rapo_ray/model/target_logits.py)."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
@@ -109,12 +112,9 @@ def train_sft(
             ids[i, : len(x)] = torch.tensor(x)
             mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
             attn[i, : len(x)] = 1
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-        target, tmask = ids[:, 1:], mask[:, 1:]
-        nll = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none"
-        ).view_as(tmask)
-        loss = (nll * tmask).sum() / tmask.sum().clamp(min=1)
+        at = mask[:, 1:] > 0  # the targets the loss trains: the LM head runs only there
+        logits = logits_at(model, ids, attn, at, logits_only_at_targets).float()
+        loss = torch.nn.functional.cross_entropy(logits, ids[:, 1:][at], reduction="sum") / max(int(at.sum()), 1)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -228,6 +228,7 @@ def warm_start(cfg, log=print, force: bool = False) -> Path:
             batch_size=cfg.trainer.sft_batch_size,
             seed=cfg.trainer.sft_seed,
             log=log,
+            logits_only_at_targets=cfg.learner.logits_only_at_targets,
         )
         save_model(model, tok, out)
         (out / "built_on.json").write_text(json.dumps(machine_record(), indent=1))

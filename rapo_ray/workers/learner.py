@@ -26,7 +26,7 @@ import ray
 import torch
 
 from rapo_ray.algos.entropy import token_entropy_from_logits
-from rapo_ray.algos.loss import PolicyLossConfig, aggregation_denominator, policy_loss, target_logprobs
+from rapo_ray.algos.loss import PolicyLossConfig, aggregation_denominator, logprobs_of, policy_loss
 from rapo_ray.config import Config, from_dict, to_dict
 from rapo_ray.core.devices import mixed_precision_policy, pick_device, set_deterministic, shard_model
 from rapo_ray.core.errors import WORKER_DIED, LearnerLost, brief
@@ -40,6 +40,7 @@ from rapo_ray.model.factory import (
     save_model,
     set_torch_threads,
 )
+from rapo_ray.model.target_logits import logits_at
 from rapo_ray.types.batch import MICRO_BATCH_ORDERS, TrajectoryBatch, balanced_micro_batches, length_sorted_groups
 from rapo_ray.types.learner_batch import LearnerBatch, from_numpy
 from rapo_ray.workers.sync import SyncMember, send_state, shard_rows
@@ -131,25 +132,27 @@ class LearnerWorker(SyncMember):
 
     # ------------------------------------------------------------ passes
 
-    def _logits(self, ids, attn, model=None):
+    def _logprobs_at(self, ids, attn, at, model=None, entropy=False):
+        """Log-probs of the targets at ``at`` ([B, T-1] bool), [B, T-1] float32 with 0 elsewhere; with ``entropy``
+        also each of those positions' full-vocabulary entropy, laid out alike. The LM head runs only at ``at``
+        (``learner.logits_only_at_targets``, rapo_ray/model/target_logits.py)."""
         model = self.model if model is None else model
+        ids, at = ids.to(self.device), at.to(self.device)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            # no KV cache: nothing here decodes, and a cache would hold every layer's keys and values to the end
-            logits = model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), use_cache=False).logits
-        return logits[:, :-1].float()
+            logits = logits_at(model, ids, attn.to(self.device), at, self.cfg.learner.logits_only_at_targets)
+        logits = logits.float()
+        logp = _spread(logprobs_of(logits, ids[:, 1:][at]), at)
+        return (logp, _spread(token_entropy_from_logits(logits), at)) if entropy else logp
 
     @torch.no_grad()
     def forward_old(self, micro_batches: list[LearnerBatch]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Per micro-batch: (log-probs, entropies) of its response targets under the current (= old) policy, each
-        [b, T-1] float32 like the micro-batch's masks, 0 outside response positions (numpy: one buffer each on the
-        way back)."""
+        """Per micro-batch: (log-probs, entropies) of its generated targets (``loss_mask``) under the current (= old)
+        policy, each [b, T-1] float32 like the micro-batch's masks, 0 elsewhere (numpy: one buffer each on the way
+        back). Only generated tokens are read: the update's ratio and the step entropies (generated steps). Tool
+        results and retrieved blocks are context, so the LM head skips them."""
         out = []
         for mb in micro_batches:
-            ids = mb.long_ids()
-            logits = self._logits(ids, mb.attention_mask)
-            resp = mb.response_mask.to(self.device) > 0
-            logp = torch.where(resp, target_logprobs(logits, ids), 0.0)
-            ent = torch.where(resp, token_entropy_from_logits(logits), 0.0)
+            logp, ent = self._logprobs_at(mb.long_ids(), mb.attention_mask, mb.loss_mask > 0, entropy=True)
             out.append((logp.cpu().numpy(), ent.cpu().numpy()))
         return out
 
@@ -194,11 +197,12 @@ class LearnerWorker(SyncMember):
             for mb in micro_batches:
                 ids, attn = mb.long_ids(), mb.attention_mask
                 padded += ids.numel()
+                at = mb.loss_mask > 0  # the loss reads log-probs only here
                 ref_logp = None
                 if self.ref_model is not None:  # the KL penalty's reference log-probs (no gradient)
                     with torch.no_grad():
-                        ref_logp = target_logprobs(self._logits(ids, attn, self.ref_model), ids)
-                logp = target_logprobs(self._logits(ids, attn), ids)
+                        ref_logp = self._logprobs_at(ids, attn, at, self.ref_model)
+                logp = self._logprobs_at(ids, attn, at)
                 loss, m = policy_loss(
                     logp,
                     mb.old_logprobs.to(self.device),
@@ -332,6 +336,12 @@ class LearnerWorker(SyncMember):
 
 
 # ---------------------------------------------------------------- the group, as the trainer sees it
+
+
+def _spread(values: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """[N] values (row-major order of ``at``) laid out as ``at``'s [B, T-1], 0 elsewhere; gradients flow to
+    ``values``."""
+    return torch.zeros(at.shape, dtype=values.dtype, device=values.device).masked_scatter(at, values)
 
 
 def _gather(refs: list) -> list:

@@ -388,7 +388,7 @@ def test_kl_penalty_pulls_the_policy_back_to_the_starting_model(ray_session, fle
     )
     actor = ray.remote(num_cpus=0.5)(LearnerWorker).remote(0, 1, free_port(), str(tiny_model_dir), asdict(cfg), "gloo")
     try:
-        # 4 rows: 3 prompt tokens, 6..9 response tokens, all trained on
+        # 4 rows: 3 prompt tokens, 6..9 response tokens, trained on all but a 2-token tool result
         trajs = [
             Trajectory(
                 f"g{i}",
@@ -399,15 +399,18 @@ def test_kl_penalty_pulls_the_policy_back_to_the_starting_model(ray_session, fle
                 (),
                 prompt_ids=[3, 4, 5],
                 response_ids=list(range(6, 12 + i)),
-                loss_mask=[1] * (6 + i),
+                loss_mask=[1, 1, 0, 0, 1, 1] + [1] * i,
             )
             for i in range(4)
         ]
         batch = LearnerBatch.from_trajectories(trajs, pad_token_id(tiny_model_dir))
-        ((old, _),) = ray.get(actor.forward_old.remote([batch]))
+        ((old, ent),) = ray.get(actor.forward_old.remote([batch]))
+        generated = batch.loss_mask.numpy() > 0  # the old-policy pass reads generated targets only
+        assert (old[generated] < 0).all() and (ent[generated] > 0).all()
+        assert not old[~generated].any() and not ent[~generated].any()
         batch.old_logprobs = from_numpy(old)
         batch = batch.with_advantages([1.0 if i % 2 else -1.0 for i in range(4)], [1.0] * 4)
-        denominator = float(sum(len(t.loss_mask) for t in trajs))
+        denominator = float(sum(t.loss_mask.sum() for t in trajs))
         push = merge_actor_stats([ray.get(actor.update.remote([([batch], denominator)]))])
         assert push["kl_ref"] == pytest.approx(0.0, abs=1e-7)  # the first forward is the reference itself
         ((moved, _),) = ray.get(actor.forward_old.remote([batch]))
@@ -551,7 +554,7 @@ def test_forward_old_puts_sorted_micro_batches_back_in_row_order(ray_session, fl
         assert [set(lb.response_values("entropies", i).tolist()) for i in range(len(lengths))] == [
             {float(i)} for i in range(len(lengths))
         ]
-        assert float((lb.old_logprobs * (1 - lb.response_mask)).abs().sum()) == 0  # nothing outside responses
+        assert float((lb.old_logprobs * (1 - lb.response_mask)).abs().sum()) == 0  # nothing outside the rows' targets
 
 
 def test_update_deals_each_mini_batch_to_the_ranks_balanced(ray_session, fleet_cfg):

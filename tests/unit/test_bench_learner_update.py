@@ -57,3 +57,16 @@ def test_each_order_the_benchmark_names_is_the_order_its_flags_give():
     for order, (balanced, length_sorted) in bench.ORDER_FLAGS.items():
         flags = replace(lc, balanced_micro_batches=balanced, length_sorted_micro_batches=length_sorted)
         assert flags.micro_batch_order() == order
+
+
+def test_logits_modes_set_the_workers_flag_and_name_the_variants():
+    from types import SimpleNamespace
+
+    bench = benchmark_module("bench_learner_update")
+    assert bench.LOGITS_FLAGS == {"targets": True, "all": False}
+    assert load_config().learner.logits_only_at_targets is True  # the default the "targets" mode measures
+    assert bench.variant_name("balanced", "all", ["targets", "all"]) == "balanced/all"
+    assert bench.variant_name("balanced", "targets", ["targets"]) == "balanced"  # one mode: names as before
+    worker = SimpleNamespace(cfg=load_config())
+    bench._set_logits_mode(worker, False)
+    assert worker.cfg.learner.logits_only_at_targets is False

@@ -158,3 +158,22 @@ def test_a_cold_start_is_found_whether_its_base_model_is_named_relatively_or_abs
         replace(tiny_cfg, cold_start=replace(tiny_cfg.cold_start, steps=41)), Path("artifacts/models/m")
     )
     assert other != relative  # a different recipe is a different cold start
+
+
+def test_sft_with_the_head_only_at_targets_trains_as_the_full_logits_do(tiny_model_dir):
+    """train_sft's ``logits_only_at_targets`` (learner.logits_only_at_targets): the same losses, step for step, and
+    the same weights after, to float rounding, as every position's logits selected afterwards."""
+    import torch
+
+    from rapo_ray.model.factory import load_model
+    from rapo_ray.pipelines.sft import train_sft
+
+    examples = [([5, 6, 7, 8, 9, 10][: 3 + i], [0, 0, 1, 0, 1, 1][: 3 + i]) for i in range(4)]
+    runs = []
+    for only_at in (True, False):
+        model = load_model(tiny_model_dir)
+        losses = train_sft(model, examples, 3, batch_size=4, log=None, warmup=1, logits_only_at_targets=only_at)
+        runs.append((losses, model.state_dict()))
+    assert runs[0][0] == pytest.approx(runs[1][0], rel=1e-5)
+    for name, value in runs[0][1].items():
+        torch.testing.assert_close(value, runs[1][1][name], rtol=1e-4, atol=1e-6)
