@@ -255,7 +255,8 @@ def bench_learner(model_dir, tok, device, rows: int, seq_len: int, micro: int, r
     ``LearnerWorker.forward_old`` and ``_update`` make: FSDP2 at world size 1, bf16 mixed precision on CUDA (fp32 on
     CPU), fp32 master weights. Medians over ``reps`` after one warm-up; random token ids (the cost does not depend
     on them), every response position in the loss."""
-    from rapo_ray.algos.loss import PolicyLossConfig, policy_loss, target_logprobs
+    from rapo_ray.algos.loss import PolicyLossConfig, logprobs_of, policy_loss
+    from rapo_ray.model.target_logits import logits_at
 
     with one_rank_learner(model_dir, device) as (model, opt):
         gen = make_generator("cpu", 0)
@@ -266,9 +267,10 @@ def bench_learner(model_dir, tok, device, rows: int, seq_len: int, micro: int, r
         chunks = [slice(i, i + micro) for i in range(0, rows, micro)]
         denominator = float(mask.sum())
 
-        def logprobs(part):
-            logits = model(input_ids=ids[part], attention_mask=attn[part]).logits[:, :-1].float()
-            return target_logprobs(logits, ids[part])
+        def logprobs(part):  # the learner's path (logits_at), here at every position: its largest
+            at = mask[part] > 0
+            logits = logits_at(model, ids[part], attn[part], at).float()
+            return logprobs_of(logits, ids[part][:, 1:][at]).view(at.shape)
 
         def old_pass() -> torch.Tensor:
             with torch.no_grad():

@@ -61,6 +61,12 @@ RANK_REDUCE = {
 }
 
 
+def _spread(values: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """[N] values (row-major order of ``at``) laid out as ``at``'s [B, T-1], 0 elsewhere; gradients flow to
+    ``values``."""
+    return torch.zeros(at.shape, dtype=values.dtype, device=values.device).masked_scatter(at, values)
+
+
 class LearnerWorker(SyncMember):
     def __init__(
         self, rank: int, world_size: int, master_port: int, model_dir: str, cfg_dict: dict, backend: str = "auto"
@@ -336,12 +342,6 @@ class LearnerWorker(SyncMember):
 
 
 # ---------------------------------------------------------------- the group, as the trainer sees it
-
-
-def _spread(values: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-    """[N] values (row-major order of ``at``) laid out as ``at``'s [B, T-1], 0 elsewhere; gradients flow to
-    ``values``."""
-    return torch.zeros(at.shape, dtype=values.dtype, device=values.device).masked_scatter(at, values)
 
 
 def _gather(refs: list) -> list:

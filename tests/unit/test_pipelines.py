@@ -175,5 +175,7 @@ def test_sft_with_the_head_only_at_targets_trains_as_the_full_logits_do(tiny_mod
         losses = train_sft(model, examples, 3, batch_size=4, log=None, warmup=1, logits_only_at_targets=only_at)
         runs.append((losses, model.state_dict()))
     assert runs[0][0] == pytest.approx(runs[1][0], rel=1e-5)
+    # AdamW divides by the gradient's running RMS, so a weight whose gradient is ~0 moves by rounding-sized amounts
+    # either way: 1e-5 against the 3 x 2e-3 = 6e-3 that 3 steps can move a weight
     for name, value in runs[0][1].items():
-        torch.testing.assert_close(value, runs[1][1][name], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(value, runs[1][1][name], rtol=1e-4, atol=1e-5)
