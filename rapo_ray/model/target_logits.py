@@ -2,9 +2,9 @@
 
 A causal LM's forward applies its output embedding (the LM head) at every position of a padded batch, and a
 log-prob then needs a log-sum-exp over the vocabulary at each; the learner reads them only at generated targets (the
-old-policy pass and the update). Handing the output embedding just those positions' hidden states
-makes the head, its softmax and their gradients cost N rows instead of B x T, and keeps a large vocabulary's logits
-(SmolLM2's 49k, Qwen2.5's 152k) from being most of a pass's memory.
+old-policy pass and the update). Handing the output embedding just those positions' hidden states makes the head,
+its softmax and their gradients cost N rows instead of B x T, and keeps a large vocabulary's logits (SmolLM2's 49k,
+Qwen2.5's 152k) from being most of a pass's memory.
 
 The swap is a forward pre-hook on the output embedding for the length of one call, so it happens inside the model's
 own forward: FSDP2's hooks on the root module (which holds a tied head) see an ordinary call.
