@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass, field
 
+from rapo_ray.algos.lr_schedule import LR_SCHEDULES
 from rapo_ray.config.presets import BUNDLED_FAMILIES, MODEL_SIZES, PACKAGED_MODELS
 from rapo_ray.core.errors import ConfigError
 
@@ -133,6 +134,13 @@ class TasksConfig:
         "../shared/data/eval/*/test.jsonl.",
     )
     eval_limit: int = option(0, "Examples per evaluation file (0: all).")
+    calc_steps: list = option(
+        [],
+        "Keep only the GSM8K-format rows whose worked solution has one of these numbers of <<a*b=c>> calculator "
+        "notes, e.g. [1, 2]: a difficulty a small model can reach (docs/RESULTS.md, The real model). Applies to "
+        "data_files, eval_files and the cold start's solutions (eval_limit counts the rows kept); ids stay the rows' "
+        "places in the file. Empty: every row.",
+    )
     skip_bad_rows: bool = option(False, "Skip and count malformed data rows instead of raising.")
     search_backend: str = option(
         "lexical",
@@ -156,6 +164,11 @@ class TasksConfig:
         for fam in self.families:
             require(
                 fam in BUNDLED_FAMILIES, f"tasks.families: unknown family {fam!r}; valid: {sorted(BUNDLED_FAMILIES)}"
+            )
+        for n in self.calc_steps:
+            require(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0,
+                f"tasks.calc_steps: expected integers >= 0 (numbers of calculator notes), got {n!r}",
             )
 
 
@@ -466,8 +479,14 @@ class LearnerConfig:
         "Learning rate. 1e-4 suits the bundled ~1M-parameter model (docs/RESULTS.md, Algorithms); the paper "
         "(ARPO) uses 1e-6 for 3B-7B models.",
     )
-    lr_schedule: str = option("constant", "Learning-rate schedule.", ("constant", "cosine", "linear"))
-    warmup_steps: int = option(0, "Linear warm-up steps.")
+    lr_schedule: str = option(
+        "constant",
+        "Learning-rate schedule after the warm-up: constant, or linear / cosine decay to lr_min_ratio x lr at "
+        "trainer.total_steps (rapo_ray/algos/lr_schedule.py). The lr of each step is in its metrics (update/lr).",
+        LR_SCHEDULES,
+    )
+    warmup_steps: int = option(0, "Steps of linear warm-up from lr / warmup_steps to lr (0: none).")
+    lr_min_ratio: float = option(0.0, "The floor of linear and cosine decay, as a fraction of lr (0 to 1).")
     weight_decay: float = option(0.0, "AdamW weight decay.")
     mini_batch_size: int = option(16, "Trajectories per PPO mini-batch (global, across ranks).")
     micro_batch_size: int = option(
@@ -534,6 +553,8 @@ class LearnerConfig:
             "learner.mini_batch_size and learner.ppo_epochs must be >= 1",
         )
         require(self.lr > 0, f"learner.lr ({self.lr}) must be > 0")
+        require(self.warmup_steps >= 0, f"learner.warmup_steps ({self.warmup_steps}) must be >= 0")
+        require(0 <= self.lr_min_ratio <= 1, f"learner.lr_min_ratio ({self.lr_min_ratio}) must be in [0, 1]")
 
 
 @dataclass
@@ -622,6 +643,26 @@ class ColdStartConfig:
 class TrainerConfig:
     total_steps: int = option(90, "RL steps (90 fit the default run's 15-minute budget on a 2-core box).")
     prompts_per_step: int = option(4, "Prompts (groups) per RL step.")
+    dynamic_sampling: bool = option(
+        False,
+        "Train only on groups whose rewards differ (DAPO's dynamic sampling, verl's filter_groups): a group whose "
+        "rollouts all earned the same reward has zero advantage, so it is dropped and fresh prompts are rolled out "
+        "in its place until prompts_per_step groups have signal or dynamic_sampling_budget is spent "
+        "(rapo_ray/training/dynamic_sampling.py). Each step reports dynamic_sampling/groups_kept, groups_dropped and "
+        "extra_rollouts.",
+    )
+    dynamic_sampling_budget: float = option(
+        3.0,
+        "The cap on dynamic sampling's extra generation: a step rolls out at most this many times prompts_per_step "
+        "groups in all, its first draw included (1: drop groups without signal, never refill).",
+    )
+    prompt_sampling: str = option(
+        "uniform",
+        "How a step picks its prompts within a family: uniform, or pass_rate (weight p(1 - p) by each prompt's "
+        "smoothed pass rate so far, favouring prompts the policy sometimes solves: rapo_ray/training/prompt_pool.py; "
+        "the counts are saved in checkpoints).",
+        ("uniform", "pass_rate"),
+    )
     eval_every: int = option(30, "Evaluate held-out accuracy every N steps (0: only before and after).")
     eval_size: int = option(
         200, "Held-out problems per family per evaluation (the bundled test split has tasks.test_size)."
@@ -655,6 +696,17 @@ class TrainerConfig:
         100,
         "Training questions per family used for RL, taken after the warm-start ones; the step-trace buffer is built "
         "from the same questions (the paper's setting).",
+    )
+    validation_questions: int = option(
+        0,
+        "Training questions per family set aside as a validation split: the ones right after the RL questions, never "
+        "trained on. Tune on them (trainer.eval_on=validation), never on the held-out test set.",
+    )
+    eval_on: str = option(
+        "test",
+        "What held-out evaluation scores: test (tasks.eval_files / the bundled test split) or validation (the "
+        "validation_questions of each training family, reported under the training family's name, e.g. gsm8k_openai).",
+        ("test", "validation"),
     )
     sft_steps: int = option(900, "Warm-start optimiser steps.")
     sft_lr: float = option(3e-3, "Warm-start peak learning rate (cosine decay, 50 warm-up steps).")
@@ -693,6 +745,17 @@ class TrainerConfig:
         require(
             self.total_steps >= 0 and self.prompts_per_step >= 1,
             "trainer.total_steps >= 0 and trainer.prompts_per_step >= 1",
+        )
+        require(
+            self.validation_questions >= 0, f"trainer.validation_questions ({self.validation_questions}) must be >= 0"
+        )
+        require(
+            self.eval_on == "test" or self.validation_questions > 0,
+            "trainer.eval_on=validation needs trainer.validation_questions > 0",
+        )
+        require(
+            self.dynamic_sampling_budget >= 1,
+            f"trainer.dynamic_sampling_budget ({self.dynamic_sampling_budget}) must be >= 1 (the first draw alone is 1)",
         )
         for fam, n in self.sft_family_examples.items():
             require(

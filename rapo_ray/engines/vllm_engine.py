@@ -130,6 +130,12 @@ class VLLMEngine(InferenceEngine):
         else:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * (1 << 30))
             kwargs["distributed_executor_backend"] = "uni"
+            # No chunked prefill on CPU: a prompt cut across engine steps makes vLLM 0.32 rewind the request's
+            # seeded generator (gen.set_offset), which a CPU generator refuses ("CPU Generator does not use
+            # offset"): the engine died whenever the prompts waiting at once passed the 4,096-token step budget
+            # (40 prompts of 200 tokens did). Whole prompts per step, within a budget of one full context.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(max_model_len, 4096)
         self._cv = threading.Condition()
         self._engine_lock = threading.Lock()
         self._submitted: list = []

@@ -41,7 +41,8 @@ class Example:
 class LoadReport:
     path: str
     loaded: int = 0
-    skipped: int = 0
+    skipped: int = 0  # malformed rows skipped (skip_bad_rows)
+    filtered: int = 0  # well-formed rows left out by calc_steps
     errors: list[str] = field(default_factory=list)
 
 
@@ -114,9 +115,12 @@ def source_name(path: Path) -> str:
 
 
 def load_examples(
-    path: str | Path, skip_bad_rows: bool = False, limit: int | None = None
+    path: str | Path, skip_bad_rows: bool = False, limit: int | None = None, calc_steps: tuple[int, ...] = ()
 ) -> tuple[list[Example], LoadReport]:
-    """Load a .jsonl or .parquet file of questions and answers."""
+    """Load a .jsonl or .parquet file of questions and answers. ``calc_steps``: keep only the GSM8K-format rows whose
+    rationale has one of these numbers of ``<<a*b=c>>`` calculator notes (``calc_note_count``; empty: every row); a row
+    without a GSM8K rationale is then malformed. ``limit`` counts the rows kept. Ids are a row's place in the file,
+    so a filtered subset keeps the ids the whole file gives."""
     p = Path(path)
     if not p.is_file():
         raise DataError(f"data file {p} does not exist")
@@ -130,7 +134,11 @@ def load_examples(
         try:
             if isinstance(row, DataError):
                 raise row
-            out.append(_row_to_example(p, line, row, source, ordinal))
+            example = _row_to_example(p, line, row, source, ordinal)
+            if calc_steps and calc_note_count(gsm8k_rationale(p, line, row)) not in calc_steps:
+                report.filtered += 1
+                continue
+            out.append(example)
             report.loaded += 1
         except DataError as exc:
             if not skip_bad_rows:
@@ -140,6 +148,15 @@ def load_examples(
     if rows == 0:
         raise DataError(f"data file {p} has no rows (it is empty or only blank lines)")
     return out, report
+
+
+def gsm8k_rationale(path: Path, line: int, row: dict) -> str:
+    """A GSM8K row's rationale (``answer``: the worked solution, then ``#### x``); ``DataError`` naming file and row
+    when the row has none."""
+    rationale = row.get("answer") if isinstance(row, dict) else None
+    if not isinstance(rationale, str) or "####" not in rationale:
+        raise DataError(f"{path}: row {line}: field 'answer' is not a GSM8K rationale ending in '#### <answer>'")
+    return rationale
 
 
 def _iter_rows(p: Path):
@@ -195,16 +212,28 @@ def gsm8k_calc_steps(solution: str) -> list[CalcStep]:
     return steps
 
 
-def gsm8k_solutions(path: str | Path, limit: int | None) -> list[tuple[Example, str]]:
-    """The first ``limit`` rows (None: all) of a GSM8K-format file (``question``, ``answer`` = rationale then ``#### x``) as
-    (example, rationale) pairs; a row without a rationale raises ``DataError`` naming file and row."""
-    examples, _ = load_examples(path, limit=limit)
+def calc_note_count(rationale: str) -> int:
+    """How many ``<<expr=result>>`` calculator notes a GSM8K rationale has: the solution's arithmetic steps, a
+    difficulty measure (GSM8K's test split: 18 with none, 65 with 1, 357 with 2, 364 with 3, 515 with 4-8)."""
+    return len(_CALC.findall(rationale))
+
+
+def gsm8k_solutions(path: str | Path, limit: int | None, calc_steps: tuple[int, ...] = ()) -> list[tuple[Example, str]]:
+    """The first ``limit`` rows (None: all) of a GSM8K-format file (``question``, ``answer`` = rationale then
+    ``#### x``) as (example, rationale) pairs, only those with ``calc_steps`` calculator notes when given (as in
+    ``load_examples``); a row without a rationale raises ``DataError`` naming file and row."""
     p, out = Path(path), []
-    for (line, row), ex in zip(_iter_rows(p), examples):
-        rationale = row.get("answer") if isinstance(row, dict) else None
-        if not isinstance(rationale, str) or "####" not in rationale:
-            raise DataError(f"{p}: row {line}: field 'answer' is not a GSM8K rationale ending in '#### <answer>'")
-        out.append((ex, rationale))
+    examples, _ = load_examples(p, limit=limit, calc_steps=calc_steps)
+    by_id = {ex.id: ex for ex in examples}
+    source = source_name(p)
+    for ordinal, (line, row) in enumerate(_iter_rows(p)):
+        if len(out) == len(examples):
+            break
+        if isinstance(row, DataError):
+            raise row
+        ex_id = f"{source}-{row.get('id', row.get('idx', ordinal))}"
+        if ex_id in by_id:
+            out.append((by_id[ex_id], gsm8k_rationale(p, line, row)))
     return out
 
 

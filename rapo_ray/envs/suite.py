@@ -39,12 +39,15 @@ def task_splits(tasks_cfg) -> tuple[dict[str, list[Task]], dict[str, list[Task]]
             to_task(p)
             for p in bundled.generate(fam, "test", tasks_cfg.test_size, tasks_cfg.seed, tasks_cfg.difficulty or None)
         ]
+    calc_steps = tuple(tasks_cfg.calc_steps)
     for path in tasks_cfg.data_files:
-        examples, _ = load_examples(path, skip_bad_rows=tasks_cfg.skip_bad_rows)
+        examples, _ = load_examples(path, skip_bad_rows=tasks_cfg.skip_bad_rows, calc_steps=calc_steps)
         name = examples[0].source if examples else path
         train[name] = [to_task(e) for e in examples]
     for path in tasks_cfg.eval_files:
-        examples, _ = load_examples(path, skip_bad_rows=tasks_cfg.skip_bad_rows, limit=tasks_cfg.eval_limit or None)
+        examples, _ = load_examples(
+            path, skip_bad_rows=tasks_cfg.skip_bad_rows, limit=tasks_cfg.eval_limit or None, calc_steps=calc_steps
+        )
         test[dataset_name(path)] = [to_task(e) for e in examples]
     return train, test
 

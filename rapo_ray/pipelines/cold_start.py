@@ -42,6 +42,7 @@ def cold_start_dir(cfg, base: Path) -> Path:
             c.seed,
             cfg.tasks.system_prompt,
             cfg.rollout.max_response_tokens,
+            *([cfg.tasks.calc_steps] if cfg.tasks.calc_steps else []),  # (absent when unset: older caches stay valid)
         ]
     )
     return Path(cfg.run.artifacts_dir) / f"cold-start-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
@@ -55,7 +56,9 @@ def cold_start_examples(cfg, tokenizer, tools) -> tuple[list[tuple[list[int], li
     reproduce one of its annotated values, or when it is longer than ``rollout.max_response_tokens``."""
     turns = AgentTurns(None, tokenizer, None, LoopSettings.from_config(cfg, evaluation=True))
     out, counts = [], {"read": 0, "kept": 0, "tool_mismatch": 0, "too_long": 0}
-    for example, rationale in gsm8k_solutions(cfg.cold_start.file, cfg.cold_start.examples):
+    for example, rationale in gsm8k_solutions(
+        cfg.cold_start.file, cfg.cold_start.examples, tuple(cfg.tasks.calc_steps)
+    ):
         counts["read"] += 1
         parts, matches = gsm8k_trajectory_parts(rationale, example.answers[0], lambda code: tools.call("python", code))
         if not all(matches):

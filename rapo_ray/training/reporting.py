@@ -11,6 +11,7 @@ import torch
 from rapo_ray.agent.evaluation import paired_change
 from rapo_ray.config import Config
 from rapo_ray.envs.suite import family_of
+from rapo_ray.training.dynamic_sampling import groups_with_signal
 from rapo_ray.training.sinks import make_sinks, numeric
 from rapo_ray.types.batch import TrajectoryBatch
 from rapo_ray.types.trajectory import HYBRID
@@ -35,6 +36,8 @@ def step_metrics(
         "step": step,
         "version": version,
         "trajectories": len(trajs),
+        "groups": len(set(batch.group_ids())),
+        "groups_with_signal": len(groups_with_signal(batch)),  # rewards not all equal: a non-zero outcome advantage
         "reward": _mean(t.reward for t in trajs),
         "accuracy": _mean(float(t.correct) for t in trajs),
         "format_valid": _mean(float(t.format_ok) for t in trajs),
@@ -194,6 +197,9 @@ class Progress:
         text = (
             f"reward {m['reward']:+.3f} acc {m['accuracy']:.3f} tok/s {m['tokens_per_s']:.0f} step {m['step_s']:.1f}s"
         )
+        if "dynamic_sampling/groups_kept" in m:  # groups trained on / groups rolled out
+            drawn = m["dynamic_sampling/groups_kept"] + m["dynamic_sampling/groups_dropped"]
+            text += f" kept {m['dynamic_sampling/groups_kept']:.0f}/{drawn + m['dynamic_sampling/groups_surplus']:.0f}"
         if "eval/mean_accuracy" in m:
             text += f" eval {m['eval/mean_accuracy']:.3f}"
         if self.bar is not None:

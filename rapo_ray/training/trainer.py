@@ -31,7 +31,7 @@ from rapo_ray.agent.evaluation import family_result
 from rapo_ray.agent.retriever import steps_of
 from rapo_ray.algos.registry import get_algorithm
 from rapo_ray.config import Config
-from rapo_ray.core.errors import WORKER_DIED
+from rapo_ray.core.errors import WORKER_DIED, ConfigError
 from rapo_ray.core.metrics import RunMetrics, StageTimer
 from rapo_ray.envs.loaders import source_name
 from rapo_ray.envs.suite import family_of, task_difficulty, task_splits
@@ -39,6 +39,8 @@ from rapo_ray.model.factory import load_tokenizer
 from rapo_ray.pipelines.sft import sft_span
 from rapo_ray.training.checkpoints import problem, write_manifest
 from rapo_ray.training.data_flow import compute_advantages
+from rapo_ray.training.dynamic_sampling import dynamic_sample
+from rapo_ray.training.prompt_pool import PromptPool
 from rapo_ray.training.reporting import step_metrics, write_trajectories
 from rapo_ray.training.staleness import (
     RolloutAhead,
@@ -96,6 +98,8 @@ class Trainer:
         )
         self.run_metrics = RunMetrics(cfg.run.metrics_window)  # moving means and lifetime totals across steps
         self.rng = random.Random(cfg.trainer.seed)
+        # each training prompt's pass rate so far (trainer.prompt_sampling=pass_rate draws by it)
+        self.prompt_pool = PromptPool() if cfg.trainer.prompt_sampling == "pass_rate" else None
         # the learner ranks and the rollout workers start at once (a process's imports and model each); the
         # fleet's constructor returns when its workers are ready, then the learners are waited for
         self.startup = StageTimer()  # what each part's start took, or was still waited for (the launcher logs it)
@@ -165,6 +169,9 @@ class Trainer:
         self.lag_counts.update(lags)
         m.update(staleness_metrics(lags, dropped))
         m.update({k: seconds[k] for k in ("ahead_rollout_s", "learner_wait_s") if k in seconds})
+        m.update({k: v for k, v in rollout_stats.items() if k.startswith("dynamic_sampling/")})
+        if self.prompt_pool is not None:
+            m.update(self.prompt_pool.metrics())
         m.update(self.run_metrics.update(m))
         return m
 
@@ -172,14 +179,27 @@ class Trainer:
 
     def _roll_out(self, step: int) -> RolloutAhead:
         """Sample step ``step``'s prompts and roll them out on the fleet (resized to the backlog first when
-        autoscaling is on). Steps are sampled in order, so a step's prompts and seed do not depend on whether it
-        was rolled out ahead."""
+        autoscaling is on); with ``trainer.dynamic_sampling`` groups without signal are replaced by fresh ones
+        (rapo_ray/training/dynamic_sampling.py). Steps are sampled in order, so a step's prompts and seed do not
+        depend on whether it was rolled out ahead."""
         cfg = self.cfg
-        groups = self._sample_groups(cfg.trainer.prompts_per_step, step)
-        if cfg.rollout.autoscale:
-            self.fleet.autoscale(len(groups), cfg.rollout.groups_per_worker)
+
+        def roll_out(n: int, first: int) -> tuple[list[tuple], TrajectoryBatch, dict]:
+            groups = self._sample_groups(n, step, first)
+            if cfg.rollout.autoscale:
+                self.fleet.autoscale(len(groups), cfg.rollout.groups_per_worker)
+            batch, stats = self.fleet.run_step(groups, cfg.algo.group_size, seed=self._rollout_seed(step))
+            if self.prompt_pool is not None:
+                self.prompt_pool.observe(batch, dict(groups))
+            return groups, batch, stats
+
         t0 = time.perf_counter()
-        batch, stats = self.fleet.run_step(groups, cfg.algo.group_size, seed=self._rollout_seed(step))
+        if cfg.trainer.dynamic_sampling:
+            groups, batch, stats = dynamic_sample(
+                cfg.trainer.prompts_per_step, cfg.trainer.dynamic_sampling_budget, roll_out
+            )
+        else:
+            groups, batch, stats = roll_out(cfg.trainer.prompts_per_step, 0)
         return RolloutAhead(step, groups, batch, stats, time.perf_counter() - t0)
 
     def _rollout_seed(self, step: int) -> int:
@@ -252,12 +272,19 @@ class Trainer:
         update_stats, learner_seconds = learning.result()
         return update_stats, {**learner_seconds, **seconds}
 
-    def _sample_groups(self, n: int, step: int) -> list[tuple]:
+    def _sample_groups(self, n: int, step: int, first: int = 0) -> list[tuple]:
+        """``n`` (group id, Task) pairs for step ``step``, numbered from ``first`` (dynamic sampling's refills
+        continue the step's numbering); families take turns, a prompt is drawn uniformly within its family or, with
+        ``trainer.prompt_sampling=pass_rate``, by the prompt pool's weights."""
         fams = list(self.train_tasks)
         out = []
-        for k in range(n):
-            fam = fams[(step * n + k) % len(fams)]
-            task = self.rng.choice(self.train_tasks[fam])
+        for k in range(first, first + n):
+            fam = fams[(step * self.cfg.trainer.prompts_per_step + k) % len(fams)]
+            tasks = self.train_tasks[fam]
+            if self.prompt_pool is None:
+                task = self.rng.choice(tasks)
+            else:
+                task = self.rng.choices(tasks, weights=self.prompt_pool.weights(tasks))[0]
             out.append((f"s{step}-g{k}-{task.id}", task))
         return out
 
@@ -341,6 +368,8 @@ class Trainer:
             "torch_rng": torch.get_rng_state().tolist(),
             "run_metrics": self.run_metrics.get_state(),
         }
+        if self.prompt_pool is not None:
+            state["prompt_pool"] = self.prompt_pool.get_state()
         (tmp / "trainer_state.json").write_text(json.dumps(state, default=list))
         write_manifest(
             tmp
@@ -368,6 +397,8 @@ class Trainer:
         torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
         if "run_metrics" in state:  # checkpoints before the windows existed restart them
             self.run_metrics.set_state(state["run_metrics"])
+        if self.prompt_pool is not None:  # a run that switches to pass_rate on resume starts its counts there
+            self.prompt_pool.set_state(state.get("prompt_pool", {}))
         self.sync_weights()
         self.fleet.scale(state["workers"])
 
@@ -403,11 +434,14 @@ def push_weights(sync: WeightSync, fleet: RolloutFleet, learners: list, version:
 
 
 def rl_task_pool(cfg: Config) -> tuple[dict, dict]:
-    """RL questions per family (after the warm-start or cold-start demos) and the held-out test tasks."""
+    """RL questions per family (after the warm-start or cold-start demos) and the tasks that evaluation scores: the
+    held-out test tasks or, with ``trainer.eval_on=validation``, the validation questions of each training family
+    (the ``trainer.validation_questions`` that follow its RL questions; never trained on)."""
     train, test = task_splits(cfg.tasks)
     n0 = sft_span(cfg)
-    pool = {}
+    pool, validation = {}, {}
     cold = {source_name(Path(cfg.cold_start.file))} if cfg.cold_start.examples else set()  # its head is demos
+    rl, nv = cfg.trainer.rl_questions, cfg.trainer.validation_questions
     for fam, ts in train.items():
         if fam in cfg.tasks.families:
             later = ts[n0:]
@@ -415,8 +449,18 @@ def rl_task_pool(cfg: Config) -> tuple[dict, dict]:
             later = ts[cfg.cold_start.examples :] if fam in cold else ts
         if cfg.tasks.difficulty and fam in cfg.tasks.families:
             later = [t for t in later if task_difficulty(t) == cfg.tasks.difficulty]
-        pool[fam] = later[: cfg.trainer.rl_questions]
-    return pool, test
+        pool[fam] = later[:rl]
+        if nv:
+            validation[fam] = later[rl : rl + nv]
+    if cfg.trainer.eval_on == "test":
+        return pool, test
+    short = {fam: len(ts) for fam, ts in validation.items() if len(ts) < nv}
+    if not validation or short:
+        raise ConfigError(
+            f"trainer.eval_on=validation needs trainer.validation_questions ({nv}) questions after the "
+            f"{rl} RL questions of each training family; too few in {short or 'every family'}"
+        )
+    return pool, validation  # scored under the training family's name (gsm8k_openai, not the test file's gsm8k)
 
 
 def _mean(xs) -> float:

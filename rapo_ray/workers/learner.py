@@ -27,6 +27,7 @@ import torch
 
 from rapo_ray.algos.entropy import token_entropy_from_logits
 from rapo_ray.algos.loss import PolicyLossConfig, aggregation_denominator, logprobs_of, policy_loss
+from rapo_ray.algos.lr_schedule import lr_factor
 from rapo_ray.config import Config, from_dict, to_dict
 from rapo_ray.core.devices import mixed_precision_policy, pick_device, set_deterministic, shard_model
 from rapo_ray.core.errors import WORKER_DIED, LearnerLost, brief
@@ -112,13 +113,7 @@ class LearnerWorker(SyncMember):
         total = max(1, self.cfg.trainer.total_steps)
 
         def schedule(step: int) -> float:
-            warm = min(1.0, (step + 1) / lc.warmup_steps) if lc.warmup_steps else 1.0
-            frac = min(step, total) / total
-            if lc.lr_schedule == "cosine":
-                return warm * 0.5 * (1 + math.cos(math.pi * frac))
-            if lc.lr_schedule == "linear":
-                return warm * (1 - frac)
-            return warm
+            return lr_factor(step, total, lc.warmup_steps, lc.lr_schedule, lc.lr_min_ratio)
 
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule)
         a = self.cfg.algo
@@ -231,12 +226,13 @@ class LearnerWorker(SyncMember):
             gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
             stats["grad_norm"] = stats.get("grad_norm", 0.0) + float(gn)
             self.opt.step()
+        lr = self.opt.param_groups[0]["lr"]  # the rate this update used (the scheduler then moves to the next step's)
         self.sched.step()
         out = {k: v / max(n, 1) for k, v in stats.items() if k in TOKEN_MEAN_STATS}
         out["loss_sum"] = stats.get("loss", 0.0)
         out["grad_norm"] = stats.get("grad_norm", 0.0) / max(len(mini_batches), 1)
         out["loss_tokens"] = n
-        out["lr"] = self.sched.get_last_lr()[0]
+        out["lr"] = lr
         # rows x longest row of every forward/backward: what the passes cost; ranks wait for the slowest at each step
         out["padded_tokens"] = out["slowest_rank_padded_tokens"] = padded
         return out

@@ -54,3 +54,20 @@ def test_a_job_engine_start_keeps_vllm_and_torch_notices_off_the_console(tiny_mo
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "engine closed" in done.stdout, done.stderr[-2000:]
     assert "Triton is installed" not in done.stderr and "NUMA binding" not in done.stderr, done.stderr[-2000:]
+
+
+def test_seeded_sampling_survives_more_waiting_prompt_tokens_than_one_engine_step_takes(tiny_model_dir):
+    """40 prompts of 200 tokens wait at once (8,000 tokens, past vLLM-CPU's 4,096-token step): with chunked prefill
+    vLLM 0.32 rewound a cut prompt's seeded generator, which a CPU generator refuses, and the engine died. Each
+    request also gets its own seed's tokens: the same as when it runs alone."""
+    from rapo_ray.engines.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(tiny_model_dir, max_model_len=512, kv_cache_gb=0.25)
+    try:
+        prompts = [[(i * 7 + j) % 300 + 5 for j in range(200)] for i in range(40)]
+        params = [SamplingParams(temperature=1.0, max_new_tokens=6, seed=i) for i in range(40)]
+        results = [f.result() for f in [engine.submit(p, sp) for p, sp in zip(prompts, params)]]
+        assert [len(r.token_ids) for r in results] == [6] * 40
+        assert engine.generate([prompts[7]], params[7])[0].token_ids == results[7].token_ids
+    finally:
+        engine.close()

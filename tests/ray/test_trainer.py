@@ -94,8 +94,21 @@ def test_end_to_end_rapo_and_resume(ray_session, warm_cfg):
     assert t.num_rows == 2 * 4 and set(t.column("slot_kind").to_pylist()) == {"on_policy", "hybrid"}
 
     # 4 prompts x 4 rollouts per step: with this weak policy (~15% of sampled trajectories well-formed), 2
-    # prompts sometimes gave every group one constant reward, i.e. zero advantages and no update to compare
-    base = replace(cfg, algo=replace(cfg.algo, name="grpo"), trainer=replace(cfg.trainer, prompts_per_step=4))
+    # prompts sometimes gave every group one constant reward, i.e. zero advantages and no update to compare.
+    # The learning-signal features are on, so the resume below also proves their state goes through a checkpoint:
+    # dynamic sampling, the pass-rate prompt pool (its counts) and a warm-up of 2 steps.
+    base = replace(
+        cfg,
+        algo=replace(cfg.algo, name="grpo"),
+        trainer=replace(
+            cfg.trainer,
+            prompts_per_step=4,
+            dynamic_sampling=True,
+            dynamic_sampling_budget=1.5,
+            prompt_sampling="pass_rate",
+        ),
+        learner=replace(cfg.learner, warmup_steps=2),
+    )
     straight = run(replace(base, run=replace(base.run, name="straight")), log=lambda *_: None)
     # the resumed run feeds its learners through Ray Data's streaming_split (rows reach the ranks dynamically: the
     # same update up to the order in which the ranks sum their rows), and logs to MLflow (sqlite in the run
@@ -109,7 +122,16 @@ def test_end_to_end_rapo_and_resume(ray_session, warm_cfg):
     )
     a, b = _final_weights(straight), _final_weights(resumed)
     steps = [m for m in map(json.loads, open(f"{resumed['run_dir']}/metrics.jsonl")) if "reward" in m]
-    assert [m["lifetime/trajectories"] for m in steps] == [16, 32]  # the run's totals went through the checkpoint
+    assert [m["update/lr"] for m in steps] == pytest.approx([base.learner.lr / 2, base.learner.lr])  # the warm-up
+    straight_steps = [m for m in map(json.loads, open(f"{straight['run_dir']}/metrics.jsonl")) if "reward" in m]
+    for m, n in zip(steps, straight_steps):  # the same draws, refills and pool counts as the straight run
+        assert m["dynamic_sampling/groups_kept"] == n["dynamic_sampling/groups_kept"]
+        assert m["dynamic_sampling/extra_rollouts"] == n["dynamic_sampling/extra_rollouts"]
+        assert m["prompt_pool/seen"] == n["prompt_pool/seen"] > 0
+        assert m["groups_with_signal"] == m["dynamic_sampling/groups_kept"] or m["dynamic_sampling/no_signal"] == 1
+    # the run's totals went through the checkpoint (a step trains on 4 groups of 4 or, short of signal, fewer)
+    totals = [sum(n["trajectories"] for n in straight_steps[: i + 1]) for i in range(2)]
+    assert [m["lifetime/trajectories"] for m in steps] == totals and totals[0] % 4 == 0
     from mlflow.tracking import MlflowClient
 
     mlflow_id = Path(resumed["run_dir"], "mlflow_run_id").read_text().strip()
