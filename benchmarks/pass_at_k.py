@@ -7,8 +7,9 @@ RL learns only from groups whose rewards differ. For each of the first ``--promp
 prompts a run trains on, after the cold start's), ``--samples`` rollouts at the rollout temperature through the real
 agent loop, engine and sandbox (no Ray). Reported: mean sampled success, the histogram of successes per prompt
 (how many prompts were solved c times of k), unbiased pass@k for k = 1, 2, 4, ..., the expected share of groups of
-size G = 2, 4, 8 (drawn from the k samples) whose rewards are not all equal, success by the number of calculator
-notes of the question's GSM8K solution, tokens per rollout and rollouts per minute. Results are merged into
+size G = 2, 4, 8 (drawn from the k samples) whose rewards are not all equal, success by the number of steps a
+solution takes (a GSM8K solution's calculator notes; a bundled problem's tool steps), tokens per rollout and rollouts
+per minute. Results are merged into
 benchmarks/results/pass_at_k.json under ``--label`` (default: the checkpoint's name).
 """
 
@@ -83,7 +84,7 @@ def main() -> int:
     from rapo_ray.core.files import merge_json_entry
     from rapo_ray.engines import make_engine
     from rapo_ray.envs.loaders import calc_note_count, gsm8k_solutions
-    from rapo_ray.envs.suite import build_tools
+    from rapo_ray.envs.suite import build_tools, task_difficulty
     from rapo_ray.model.factory import context_length, load_model_and_tokenizer, load_tokenizer
     from rapo_ray.pipelines.cold_start import checkpoint_named
     from rapo_ray.training.trainer import rl_task_pool
@@ -94,6 +95,7 @@ def main() -> int:
     tasks = [t for ts in pool.values() for t in ts][: args.prompts]
     if len(tasks) < args.prompts:
         print(f"only {len(tasks)} RL questions in the config's pool (asked for {args.prompts})")
+    steps_of = {t.id: task_difficulty(t) for t in tasks if task_difficulty(t)}  # bundled problems: tool steps
     notes = {}  # question id -> calculator notes of its GSM8K solution, where the data file has them
     for path in cfg.tasks.data_files:
         try:
@@ -118,11 +120,12 @@ def main() -> int:
     for t in trajs:
         per_prompt[t.group_id] += int(t.correct)
     summary = summarize(list(per_prompt.values()), args.samples)
+    steps_of.update(notes)
     by_notes: dict[int, list[int]] = defaultdict(list)
     for tid, c in per_prompt.items():
-        if tid in notes:
-            by_notes[notes[tid]].append(c)
-    summary["success_by_calc_notes"] = {
+        if tid in steps_of:
+            by_notes[steps_of[tid]].append(c)
+    summary["success_by_steps"] = {
         str(k): {"prompts": len(v), "mean_success": sum(v) / (len(v) * args.samples)}
         for k, v in sorted(by_notes.items())
     }

@@ -74,6 +74,10 @@ class Config:
             "start (trainer.sft_*)",
         )
         require(
+            self.cold_start.source != "families" or not self.cold_start.examples or bool(self.tasks.families),
+            "cold_start.source=families draws the scripted expert's solutions of tasks.families, and none is set",
+        )
+        require(
             not (self.retrieval.buffer_source == "scripted-expert" and self.tasks.data_files),
             f"retrieval.buffer_source=scripted-expert solves only the bundled families, not tasks.data_files "
             f"{self.tasks.data_files}; use retrieval.buffer_source=policy (the starting policy samples the buffer)",

@@ -627,6 +627,13 @@ class ColdStartConfig:
     file: str = option(
         "../shared/data/gsm8k_openai/train.jsonl", "GSM8K-format file (question, rationale ending in '#### x')."
     )
+    source: str = option(
+        "file",
+        "Where the demonstrations come from: file (GSM8K solutions of cold_start.file, their calculator notes made "
+        "python calls) or families (the scripted expert's solutions of the first cold_start.examples training "
+        "problems of each tasks.families family, in the model's own chat template; RL questions come after them).",
+        ("file", "families"),
+    )
     steps: int = option(40, "Optimiser steps.")
     lr: float = option(1e-4, "Peak learning rate (cosine decay after a warm-up of a tenth of the steps).")
     batch_size: int = option(4, "Sequences per step.")
@@ -634,6 +641,7 @@ class ColdStartConfig:
 
     def validate(self) -> None:
         require(self.examples >= 0, f"cold_start.examples ({self.examples}) must be >= 0")
+        require(self.source in ("file", "families"), f"cold_start.source ({self.source!r}) must be file or families")
         if self.examples:
             require(self.steps > 0 and self.batch_size > 0, "cold_start.steps and cold_start.batch_size must be > 0")
             require(self.lr > 0, f"cold_start.lr ({self.lr}) must be > 0")

@@ -407,6 +407,7 @@ def run(cfg: Config, log=print, process_started_at: float | None = None) -> dict
         before_path = run_dir.path / "eval_before.json"
         if resume is not None:
             trainer.load(resume)
+            metrics.rewind(trainer.step_idx)
             log(f"resumed from {resume} at step {trainer.step_idx}")
             saved = json.loads(before_path.read_text()) if before_path.is_file() else {}
             before_problems = saved.pop("problems", {})
@@ -455,6 +456,7 @@ def run(cfg: Config, log=print, process_started_at: float | None = None) -> dict
                     trainer.load(latest)
                 else:
                     trainer.sync_weights()
+                metrics.rewind(trainer.step_idx)
                 log(
                     f"rebuilt the learners and fleet; resumed at step {trainer.step_idx} from {latest or 'the starting policy'}"
                 )

@@ -6,6 +6,9 @@ SFT for the same reason. Here each demonstration is a GSM8K training question in
 its calculator annotations (``<<48/2=24>>``) turned into ``<python>print(48/2)</python>`` steps followed by the
 sandbox's real output (loss-masked, as in a rollout), and a final ``\\boxed{}`` answer. It is kept small
 (``cold_start.examples``) so that sampled success stays in the exploration band rather than at the ceiling.
+With ``cold_start.source=families`` the demonstrations are instead the scripted expert's solutions of bundled
+problems (``tasks.families``) in the same chat template: a task a 135M model can learn within an hour here
+(docs/RESULTS.md, The real model).
 
 The result is cached under ``run.artifacts_dir`` by everything that shapes it (the base model's fingerprint, the
 examples, the optimiser settings), so every arm of a comparison starts from the same checkpoint.
@@ -21,10 +24,12 @@ from pathlib import Path
 from rapo_ray.agent.loop import LoopSettings
 from rapo_ray.agent.turns import AgentTurns
 from rapo_ray.core.devices import machine_record
+from rapo_ray.envs import tasks as bundled
 from rapo_ray.envs.loaders import gsm8k_solutions, gsm8k_trajectory_parts
 from rapo_ray.envs.suite import build_tools, to_task
 from rapo_ray.model.factory import load_model, load_tokenizer, resolve_model_dir, save_model
 from rapo_ray.pipelines.sft import train_sft
+from rapo_ray.types.protocol import ANSWER, PYTHON, RESULT, SEARCH, THINK
 
 
 def cold_start_dir(cfg, base: Path) -> Path:
@@ -43,9 +48,42 @@ def cold_start_dir(cfg, base: Path) -> Path:
             cfg.tasks.system_prompt,
             cfg.rollout.max_response_tokens,
             *([cfg.tasks.calc_steps] if cfg.tasks.calc_steps else []),  # (absent when unset: older caches stay valid)
+            *(["families", cfg.tasks.families, cfg.tasks.seed, cfg.tasks.train_size] if c.source == "families" else []),
         ]
     )
     return Path(cfg.run.artifacts_dir) / f"cold-start-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+
+
+def demonstration_source(cfg) -> str:
+    """Where ``cold_start.source`` takes the demonstrations from, in words (for the log and errors)."""
+    return cfg.cold_start.file if cfg.cold_start.source == "file" else f"the scripted expert of {cfg.tasks.families}"
+
+
+def demonstrations(cfg, run_python) -> list[tuple[object, list[tuple[bool, str]] | None]]:
+    """(problem, its solution as ``(is_policy_step, text)`` segments, or None when the tool does not reproduce one of
+    its values) of every demonstration ``cold_start.source`` names.
+
+    file: the first ``cold_start.examples`` GSM8K solutions of ``cold_start.file`` (``tasks.calc_steps`` applies),
+    each calculator note a python call answered by ``run_python``. families: the scripted expert's solutions of the
+    first ``cold_start.examples`` training problems of each ``tasks.families`` family, each step with the tool
+    result the generator recorded (as the bundled model's warm start has them)."""
+    c = cfg.cold_start
+    out = []
+    if c.source == "file":
+        for example, rationale in gsm8k_solutions(c.file, c.examples, tuple(cfg.tasks.calc_steps)):
+            parts, matches = gsm8k_trajectory_parts(rationale, example.answers[0], run_python)
+            out.append((example, parts if all(matches) else None))
+        return out
+    for fam in cfg.tasks.families:
+        for problem in bundled.generate(fam, "train", cfg.tasks.train_size, cfg.tasks.seed)[: c.examples]:
+            parts = []
+            for thought, tool, call, result in problem.expert_steps:
+                open_tag, close_tag = PYTHON if tool == "python" else SEARCH
+                parts.append((True, f"{THINK[0]}{thought}{THINK[1]}{open_tag}{call}{close_tag}"))
+                parts.append((False, f"{RESULT[0]}{result}{RESULT[1]}"))
+            parts.append((True, f"{THINK[0]}done{THINK[1]}{ANSWER[0]}\\boxed{{{problem.answers[0]}}}{ANSWER[1]}"))
+            out.append((problem, parts))
+    return out
 
 
 def cold_start_examples(cfg, tokenizer, tools) -> tuple[list[tuple[list[int], list[int]]], dict]:
@@ -56,15 +94,12 @@ def cold_start_examples(cfg, tokenizer, tools) -> tuple[list[tuple[list[int], li
     reproduce one of its annotated values, or when it is longer than ``rollout.max_response_tokens``."""
     turns = AgentTurns(None, tokenizer, None, LoopSettings.from_config(cfg, evaluation=True))
     out, counts = [], {"read": 0, "kept": 0, "tool_mismatch": 0, "too_long": 0}
-    for example, rationale in gsm8k_solutions(
-        cfg.cold_start.file, cfg.cold_start.examples, tuple(cfg.tasks.calc_steps)
-    ):
+    for problem, parts in demonstrations(cfg, lambda code: tools.call("python", code)):
         counts["read"] += 1
-        parts, matches = gsm8k_trajectory_parts(rationale, example.answers[0], lambda code: tools.call("python", code))
-        if not all(matches):
+        if parts is None:
             counts["tool_mismatch"] += 1
             continue
-        prompt = turns.task_prompt_ids(to_task(example))
+        prompt = turns.task_prompt_ids(to_task(problem))
         ids, mask = list(prompt), [0] * len(prompt)
         for is_policy_step, text in parts:
             seg = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -111,9 +146,12 @@ def cold_start(cfg, log=print) -> Path:
         examples, counts = cold_start_examples(cfg, tok, tools)
     finally:
         tools.close()
+    where = demonstration_source(cfg)
     if not examples:
-        raise ValueError(f"cold_start.file={c.file}: none of its first {c.examples} solutions is usable ({counts})")
-    log(f"cold start: {counts['kept']} demonstrations from {c.file} ({counts}); {c.steps} SFT steps")
+        raise ValueError(
+            f"cold_start.source={c.source}: none of the first {c.examples} solutions of {where} is usable ({counts})"
+        )
+    log(f"cold start: {counts['kept']} demonstrations from {where} ({counts}); {c.steps} SFT steps")
     model = load_model(base)
     warmup = max(1, c.steps // 10)  # a short run reaches its peak rate
     losses = train_sft(

@@ -127,6 +127,33 @@ class MetricsLog:
                 self.sinks.remove(sink)
                 self._log(f"metrics sink {sink.name} failed at step {step} and is off for the rest of the run: {exc!r}")
 
+    def rewind(self, step: int) -> int:
+        """A resume from the checkpoint of ``step``: the records of later steps, logged before the run stopped and
+        about to be logged again, move from ``metrics.jsonl`` to ``metrics.superseded.jsonl`` (appended: nothing
+        written is lost), and the records up to ``step`` become the history again, so the curves and the summary's
+        means span the whole run. A line that does not parse (a driver killed mid-write) moves too. Returns how many
+        lines moved."""
+        if not self.path.is_file():
+            return 0
+        keep, later = [], []
+        for line in self.path.read_text().splitlines():
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                later.append(line)
+                continue
+            (later if int(record.get("step", 0)) > step else keep).append(line)
+        if later:
+            with open(self.path.with_name("metrics.superseded.jsonl"), "a") as f:
+                f.write("".join(x + "\n" for x in later))
+            tmp = self.path.with_name(f".{self.path.name}.tmp")
+            tmp.write_text("".join(x + "\n" for x in keep))
+            tmp.replace(self.path)
+        self.history = [json.loads(x) for x in keep]
+        return len(later)
+
     def mean(self, key: str) -> float:
         return _mean(m[key] for m in self.history if key in m)
 

@@ -440,11 +440,13 @@ def rl_task_pool(cfg: Config) -> tuple[dict, dict]:
     train, test = task_splits(cfg.tasks)
     n0 = sft_span(cfg)
     pool, validation = {}, {}
-    cold = {source_name(Path(cfg.cold_start.file))} if cfg.cold_start.examples else set()  # its head is demos
+    cold = set()  # the data files whose head is the cold start's demonstrations
+    if cfg.cold_start.examples and cfg.cold_start.source == "file":
+        cold.add(source_name(Path(cfg.cold_start.file)))
     rl, nv = cfg.trainer.rl_questions, cfg.trainer.validation_questions
     for fam, ts in train.items():
-        if fam in cfg.tasks.families:
-            later = ts[n0:]
+        if fam in cfg.tasks.families:  # after the warm start's span, or a real model's cold start drawn from it
+            later = ts[max(n0, cfg.cold_start.examples if cfg.cold_start.source == "families" else 0) :]
         else:  # a real data file: after the cold start's head when it drew from this file
             later = ts[cfg.cold_start.examples :] if fam in cold else ts
         if cfg.tasks.difficulty and fam in cfg.tasks.families:

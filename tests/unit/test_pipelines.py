@@ -124,6 +124,40 @@ def test_cold_start_demonstrations_mask_tool_results_and_drop_bad_solutions(tiny
     assert masked == "<result>5</result>"
 
 
+def test_a_cold_start_from_the_families_is_the_scripted_experts_solutions_and_rl_comes_after_them(
+    tiny_cfg, tiny_tokenizer, tools
+):
+    """cold_start.source=families: the first cold_start.examples training problems of each family, solved by the
+    scripted expert (python calls trained, the recorded results masked); RL questions start after them."""
+    from dataclasses import replace
+
+    from rapo_ray.envs import tasks as bundled
+    from rapo_ray.pipelines.cold_start import cold_start_dir, cold_start_examples
+    from rapo_ray.pipelines.sft import sft_span
+    from rapo_ray.training.trainer import rl_task_pool
+
+    n = sft_span(tiny_cfg) + 3  # past the warm-start span: RL starts after the cold start's demonstrations
+    cfg = replace(
+        tiny_cfg,
+        tasks=replace(tiny_cfg.tasks, families=["arith"], difficulty=0, train_size=n + 10),
+        cold_start=replace(tiny_cfg.cold_start, examples=n, source="families"),
+    )
+    problems = bundled.generate("arith", "train", cfg.tasks.train_size, cfg.tasks.seed)
+    few = replace(cfg, cold_start=replace(cfg.cold_start, examples=2))
+    examples, counts = cold_start_examples(few, tiny_tokenizer, tools)
+    assert counts == {"read": 2, "kept": 2, "tool_mismatch": 0, "too_long": 0}
+    ids, mask = examples[0]
+    trained = tiny_tokenizer.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=False)
+    first_call = problems[0].expert_steps[0][2]
+    assert f"<python>{first_call}</python>" in trained and f"\\boxed{{{problems[0].answers[0]}}}" in trained
+    assert "<result>" not in trained  # tool results are context, not trained
+    pool, _ = rl_task_pool(cfg)
+    assert pool["arith"][0].question == problems[n].question
+    assert cold_start_dir(cfg, Path("m")) != cold_start_dir(
+        replace(cfg, cold_start=replace(cfg.cold_start, source="file")), Path("m")
+    )
+
+
 def test_rl_questions_of_a_data_file_come_after_its_cold_start_head(tiny_cfg, tmp_path):
     import json
     from dataclasses import replace

@@ -281,3 +281,33 @@ def test_the_progress_line_shows_the_groups_kept_of_those_rolled_out():
     m.update({"dynamic_sampling/groups_kept": 4, "dynamic_sampling/groups_dropped": 5})
     Progress(False, 10, 0, "grpo", log=said.append).update({**m, "dynamic_sampling/groups_surplus": 1})
     assert said == ["step 3: reward +0.250 acc 0.250 tok/s 90 step 12.0s kept 4/10"]
+
+
+def test_power_of_the_paired_sign_test_by_hand():
+    pw = benchmark_module("power")
+    # 6 discordant pairs: only 0 or 6 wins reject at 0.05 (p = 2 / 64 = 0.031; 1 or 5 wins give p = 14 / 64)
+    assert pw.sign_test_rejects(6, 0.05) == [True, False, False, False, False, False, True]
+    assert pw.power(6, 1.0, 0.05) == pytest.approx(1.0) and pw.power(6, 0.5, 0.05) == pytest.approx(2 / 64)
+    assert pw.power(6, 0.9, 0.05) == pytest.approx(0.9**6 + 0.1**6)
+    # 100 pairs, 6 discordant: even 6-0 has power 1 >= 0.8 only at q = 1: a difference of 6 points
+    assert pw.min_detectable_difference(100, 0.06) == pytest.approx(0.06)
+    assert pw.min_detectable_difference(1266, 0.08) < pw.min_detectable_difference(422, 0.08)  # seeds pooled
+    with pytest.raises(ValueError, match="discordant share"):
+        pw.min_detectable_difference(100, 0.0)
+
+
+def test_a_resume_moves_the_records_of_steps_past_its_checkpoint_aside(tmp_path):
+    """Steps logged after the last checkpoint are logged again by the resumed run: before, metrics.jsonl held step
+    21 twice after a resume from step 20."""
+    from rapo_ray.training.reporting import MetricsLog
+
+    lines = [{"step": 0, "eval/mean_accuracy": 0.5}, *({"step": k, "reward": k / 10} for k in (1, 2, 3))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"step": 4, "rew')
+    log = MetricsLog(tmp_path, load_config(None, []), log=lambda *_: None)
+    assert log.rewind(2) == 2
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    assert (tmp_path / "metrics.superseded.jsonl").read_text() == json.dumps(lines[3]) + '\n{"step": 4, "rew\n'
+    assert [m["step"] for m in log.history] == [0, 1, 2] and log.mean("reward") == pytest.approx(0.15)
+    log.log({"step": 3, "reward": 0.9})
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
+    log.close()
