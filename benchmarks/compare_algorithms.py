@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 import yaml
 from box_load import BoxLoad
 
-from rapo_ray.agent.evaluation import paired_change
+from rapo_ray.agent.evaluation import paired_change, sign_test_p
 from rapo_ray.agent.turns import answer_handed
 from rapo_ray.config import load_config
 from rapo_ray.config.load import diff_configs, flat_config, from_dict, to_dict
@@ -103,7 +103,8 @@ def train_once(name: str, overrides: list[str], seed: int, args, out: Path) -> P
         f"trainer.seed={seed}",
         *([f"trainer.total_steps={args.steps}"] if args.steps else []),
         *([f"trainer.prompts_per_step={args.prompts}"] if args.prompts else []),
-        "trainer.eval_every=0",
+        # the bundled job is compared on its end points only; a recipe keeps its own held-out curve (trainer.eval_every)
+        *([] if args.config else ["trainer.eval_every=0"]),
         *([f"trainer.eval_size={args.eval_size}"] if args.eval_size else []),
         "checkpoint.every=0",
         f"run.output_dir={out / 'runs'}",
@@ -177,6 +178,8 @@ def run_one(method: str, seed: int, args, out: Path) -> dict | None:
         "after": summary["after"],
         "paired_change": summary.get("paired_change", {}),
         "curve": [(m["step"], m["reward"]) for m in steps],
+        # held-out accuracy at step 0 (before), every trainer.eval_every steps, and after
+        "eval_curve": [(m["step"], m["eval/mean_accuracy"]) for m in metrics if "eval/mean_accuracy" in m],
         "wall": list(itertools.accumulate(m["step_s"] for m in steps)),  # seconds of training after each step
         "group_size": yaml.safe_load((run_dir / "config.yaml").read_text())["algo"]["group_size"],
         "per_step": {k: statistics.median(m[k] for m in steps) for k in STEP_KEYS if steps and k in steps[0]},
@@ -359,6 +362,32 @@ def baselines(results: list[dict]) -> list[tuple[str, str]]:
     return pairs + [(m, "rapo") for m in METHODS if m in ran and m.startswith("rapo ") and "rapo" in ran]
 
 
+def held_out_change(results: list[dict], fams: list[str]) -> list[str]:
+    """Markdown rows: each run's held-out change from its starting policy (its summary's paired test), then per
+    method and family the flips pooled over its seeds with the exact sign test (a problem under each seed is a pair)."""
+    lines = [
+        "",
+        "| method | family | seed | before | after | fixed | broken | sign test p |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for method in METHODS:
+        rs = sorted((r for r in results if r["method"] == method), key=lambda r: r["seed"])
+        for fam in fams:
+            runs = [(r, r["paired_change"][fam]) for r in rs if fam in r.get("paired_change", {})]
+            for r, c in runs:
+                before, after = r["before"][f"eval/{fam}/accuracy"], r["after"][f"eval/{fam}/accuracy"]
+                lines.append(
+                    f"| {method} | {fam} | {r['seed']} | {before:.3f} | {after:.3f} | {c['fixed']} | {c['broken']} | "
+                    f"{c['p_value']:.2g} |"
+                )
+            if len(runs) > 1:
+                fixed, broken = sum(c["fixed"] for _, c in runs), sum(c["broken"] for _, c in runs)
+                lines.append(
+                    f"| {method} | {fam} | pooled ({len(runs)}) | | | {fixed} | {broken} | {sign_test_p(fixed, broken):.2g} |"
+                )
+    return lines
+
+
 def _ms(xs) -> str:
     return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
 
@@ -379,6 +408,7 @@ def tables(results: list[dict]) -> str:
         mean = [r["after"]["eval/mean_accuracy"] for r in rs]
         delta = [r["after"]["eval/mean_accuracy"] - r["before"]["eval/mean_accuracy"] for r in rs]
         lines.append(f"| {method} | " + " | ".join(cells) + f" | {_ms(mean)} | {_ms(delta)} |")
+    lines += held_out_change(results, fams)
     if any(r.get("after_problems") for r in results):
         lines += [
             "",
@@ -507,14 +537,23 @@ def plot(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
+    fig, (by_step, by_time, held_out) = plt.subplots(1, 3, figsize=(17, 4))
+    by_time.sharey(by_step)
     for method in METHODS:
         rs = [r for r in results if r["method"] == method]
         if not rs:
             continue
         steps = sorted({s for r in rs for s, _ in r["curve"]})
         mean = [statistics.mean(v for r in rs for s2, v in r["curve"] if s2 == s) for s in steps]
-        by_step.plot(steps, mean, label=f"{method} ({len(rs)} seeds)")
+        (line,) = by_step.plot(steps, mean, label=f"{method} ({len(rs)} seeds)")
+        # held-out accuracy: each seed thin, the mean over the seeds that evaluated at a step thick
+        for r in rs:
+            if r.get("eval_curve"):
+                held_out.plot(*zip(*r["eval_curve"]), color=line.get_color(), alpha=0.3, lw=0.8)
+        at = sorted({s for r in rs for s, _ in r.get("eval_curve", [])})
+        if at:
+            means = [statistics.mean(v for r in rs for s2, v in r.get("eval_curve", []) if s2 == s) for s in at]
+            held_out.plot(at, means, color=line.get_color(), marker="o", label=method)
         # equal wall time: the same mean reward against the mean training seconds spent up to each step
         walls = [r["wall"] for r in rs if len(r.get("wall", [])) == len(r["curve"])]
         if walls and all(len(w) == len(steps) for w in walls):
@@ -522,6 +561,8 @@ def plot(results: list[dict], path: Path) -> None:
     by_step.set_xlabel("RL step")
     by_step.set_ylabel("mean training reward")
     by_time.set_xlabel("training wall time (min, steps only)")
+    held_out.set_xlabel("RL step")
+    held_out.set_ylabel("held-out accuracy (greedy)")
     by_step.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -81,6 +81,7 @@ def main() -> int:
     from rapo_ray.agent.loop import AgentLoop, LoopSettings
     from rapo_ray.config import load_config
     from rapo_ray.core.devices import machine_record
+    from rapo_ray.core.errors import DataError
     from rapo_ray.core.files import merge_json_entry
     from rapo_ray.engines import make_engine
     from rapo_ray.envs.loaders import calc_note_count, gsm8k_solutions
@@ -95,13 +96,13 @@ def main() -> int:
     tasks = [t for ts in pool.values() for t in ts][: args.prompts]
     if len(tasks) < args.prompts:
         print(f"only {len(tasks)} RL questions in the config's pool (asked for {args.prompts})")
-    steps_of = {t.id: task_difficulty(t) for t in tasks if task_difficulty(t)}  # bundled problems: tool steps
+    steps_of = {t.id: steps for t in tasks if (steps := task_difficulty(t))}  # bundled problems: tool steps
     notes = {}  # question id -> calculator notes of its GSM8K solution, where the data file has them
     for path in cfg.tasks.data_files:
         try:
             notes.update({ex.id: calc_note_count(r) for ex, r in gsm8k_solutions(path, None)})
-        except Exception:  # not a GSM8K-format file: no breakdown by notes
-            pass
+        except DataError as exc:  # not a GSM8K-format file: no breakdown by notes
+            print(f"{path}: no success by calculator notes ({exc})")
     tok = load_tokenizer(model_dir)
     engine = make_engine(
         cfg.rollout, model_dir, load_model_and_tokenizer, max_model_len=context_length(model_dir), device="cpu"

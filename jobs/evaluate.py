@@ -3,6 +3,7 @@ batched through the rollout fleet.
 
     python jobs/evaluate.py --checkpoint runs/rapo-20261122-101500
     python jobs/evaluate.py --checkpoint DIR --datasets bundled,../shared/data/eval/gsm8k/test.jsonl --limit 200
+    python jobs/evaluate.py --checkpoint RUN --baseline eval-BEFORE.json   # what training fixed and broke, sign test
 
 --datasets: comma-separated; `bundled` (the held-out split of every tasks.families family), a data file of
 the loader's shapes (jsonl / parquet; rapo_ray.envs.loaders), or a folder (every */test.jsonl under it).
@@ -38,6 +39,12 @@ def _extra(parser):
     parser.add_argument("--limit", type=int, default=100, help="examples per dataset (0: all)")
     parser.add_argument(
         "--out", default="", help="JSON output (default: eval-<checkpoint name>.json next to the run, or ./)"
+    )
+    parser.add_argument(
+        "--baseline",
+        default="",
+        help="an earlier evaluate.py JSON (e.g. of the starting policy): per dataset in both, the problems each "
+        "fixed and broke, and the exact sign test's p-value",
     )
 
 
@@ -84,7 +91,7 @@ def main(argv=None) -> int:
     cfg, args = parse(__doc__, argv, extra=_extra)
     import ray
 
-    from rapo_ray.agent.evaluation import family_result, format_table
+    from rapo_ray.agent.evaluation import family_result, format_table, paired_change
     from rapo_ray.core.errors import ModelLoadError
     from rapo_ray.launch.launcher import init_ray
     from rapo_ray.model.factory import load_tokenizer, resolve_checkpoint
@@ -96,6 +103,16 @@ def main(argv=None) -> int:
     except ModelLoadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    baseline = {}
+    if args.baseline:
+        try:
+            baseline = {k: dict(v) for k, v in json.loads(Path(args.baseline).read_text())["problems"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            print(
+                f"error: --baseline {args.baseline}: not an evaluate.py JSON with per-problem results ({exc})",
+                file=sys.stderr,
+            )
+            return 2
     from dataclasses import replace
 
     if (
@@ -109,12 +126,13 @@ def main(argv=None) -> int:
     fleet = None
     try:
         fleet = RolloutFleet(str(model_dir), cfg, None)
-        results, timings = {}, {}
+        results, timings, problems = {}, {}, {}
         for name, tasks in datasets.items():
             t0 = time.perf_counter()
             groups = [(f"eval-{name}-{i}", t) for i, t in enumerate(tasks)]
             batch, _ = fleet.run_step(groups, 1, seed=0, evaluation=True)
             results[name] = family_result(batch.trajectories)
+            problems[name] = {t.problem_id: bool(t.correct) for t in batch.trajectories}
             timings[name] = round(time.perf_counter() - t0, 1)
             print(f"{name}: {len(tasks)} examples in {timings[name]} s", flush=True)
     finally:
@@ -123,6 +141,14 @@ def main(argv=None) -> int:
         if owns_ray:
             ray.shutdown()
     print(format_table(results, f"checkpoint {model_dir} (greedy, no retrieval):"))
+    change = {k: paired_change(baseline[k], solved) for k, solved in problems.items() if k in baseline}
+    if baseline and not change:
+        print(f"--baseline {args.baseline}: no dataset in common with this evaluation ({sorted(baseline)})")
+    for name, c in change.items():
+        print(
+            f"{name} against --baseline: {c['fixed']} fixed, {c['broken']} broken of {c['n']} "
+            f"({c['gain']:+.3f}, sign test p = {c['p_value']:.2g})"
+        )
     out = (
         Path(args.out)
         if args.out
@@ -136,6 +162,8 @@ def main(argv=None) -> int:
                 "limit": args.limit,
                 "seconds": timings,
                 "results": {k: v.as_dict() for k, v in results.items()},
+                "problems": problems,  # dataset -> problem id -> solved, for a later --baseline
+                **({"baseline": args.baseline, "paired_change": change} if change else {}),
             },
             indent=1,
         )

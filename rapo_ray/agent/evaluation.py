@@ -69,15 +69,20 @@ def paired_change(before: dict[str, bool], after: dict[str, bool]) -> dict:
     ids = sorted(set(before) & set(after))
     fixed = sum(1 for i in ids if after[i] and not before[i])
     broken = sum(1 for i in ids if before[i] and not after[i])
-    flips = fixed + broken
-    tail = sum(math.comb(flips, k) for k in range(min(fixed, broken) + 1)) / 2**flips if flips else 1.0
     return {
         "n": len(ids),
         "fixed": fixed,
         "broken": broken,
         "gain": (fixed - broken) / max(len(ids), 1),
-        "p_value": min(1.0, 2 * tail),
+        "p_value": sign_test_p(fixed, broken),
     }
+
+
+def sign_test_p(fixed: int, broken: int) -> float:
+    """The exact two-sided sign test's p-value of ``fixed`` flips one way against ``broken`` the other (1 for none)."""
+    flips = fixed + broken
+    tail = sum(math.comb(flips, k) for k in range(min(fixed, broken) + 1)) / 2**flips if flips else 1.0
+    return min(1.0, 2 * tail)
 
 
 def format_table(results: dict[str, FamilyResult], title: str = "") -> str:

@@ -28,6 +28,11 @@ def _rapo_validate(algo_cfg) -> None:
         raise ConfigError(f"algo.rapo.retrieve_prob ({r.retrieve_prob}) must be in [0, 1]")
 
 
+def _rapo_reads_step_entropies(algo_cfg) -> bool:
+    # the retrieval reward (Eq. 5) is the entropy change around each retrieval, read from the old-policy pass
+    return algo_cfg.rapo.use_retrieval_reward
+
+
 def _rapo_rollout(algo_cfg) -> HybridRollout:
     r = algo_cfg.rapo
     return HybridRollout(r.n_hybrid, r.retrieve_prob, r.reward_retrieved_answers)
@@ -52,5 +57,6 @@ RAPO = register(
         buffer_candidates=buffer_candidates,
         validate=_rapo_validate,
         config_section="rapo",
+        reads_step_entropies=_rapo_reads_step_entropies,
     )
 )

@@ -10,7 +10,10 @@
   step buffer when ``retrieval.insert_on_policy`` is on (RAPO), none for algorithms without a buffer;
 - ``validate(algo_cfg)``: checks of its own config section, run by ``Config.validate`` for the running algorithm
   only; it raises ``rapo_ray.core.errors.ConfigError`` naming the field;
-- ``config_section``: its nested config (``algo.rapo``, ``algo.arpo``), documented in ``--help``.
+- ``config_section``: its nested config (``algo.rapo``, ``algo.arpo``), documented in ``--help``;
+- ``reads_step_entropies(algo_cfg) -> bool``: whether its estimator reads the old policy's step entropies
+  (``step_entropies``, from the learners' old-policy pass) before the update; an algorithm that does not lets the
+  trainer skip that pass where its log-probs equal the update's own (``rapo_ray/training/old_pass.py``).
 
 A new algorithm is one module (its estimator and hooks) and one ``register`` call; the built-in three are in
 rapo_ray/algos/builtin.py, which ``rapo_ray.algos`` imports, so the registry is full once the package is imported.
@@ -37,6 +40,10 @@ def _no_checks(algo_cfg: Any) -> None:
     return None
 
 
+def _reads_no_entropies(algo_cfg: Any) -> bool:
+    return False
+
+
 @dataclass(frozen=True)
 class Algorithm:
     name: str
@@ -45,6 +52,7 @@ class Algorithm:
     buffer_candidates: Callable[[Any, float], list] = _no_buffer
     validate: Callable[[Any], None] = _no_checks
     config_section: str | None = None
+    reads_step_entropies: Callable[[Any], bool] = _reads_no_entropies
 
 
 _REGISTRY: dict[str, Algorithm] = {}

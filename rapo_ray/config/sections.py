@@ -537,6 +537,14 @@ class LearnerConfig:
         return max(1, min(share, self.micro_batch_size) if self.micro_batch_size else share)
 
     ppo_epochs: int = option(1, "Passes over each rollout batch.")
+    skip_redundant_old_pass: bool = option(
+        True,
+        "Skip the old-policy forward pass when its log-probs equal the update's own: one PPO epoch, the step's rows "
+        "in one mini-batch, on-policy (algo.max_staleness 0), the default learner feed, and an algorithm whose "
+        "estimator reads no old-policy entropies (RAPO's retrieval reward does). The update then takes pi_old as "
+        "its own log-probs, detached (ratio 1, the same loss and gradients), and returns them and the entropies for "
+        "the step's metrics (rapo_ray/training/old_pass.py; update/old_pass_skipped). TRL skips it alike.",
+    )
     grad_clip: float = option(1.0, "Max global gradient norm.")
     bf16: bool = option(
         False,

@@ -223,17 +223,21 @@ def gsm8k_solutions(path: str | Path, limit: int | None, calc_steps: tuple[int, 
     ``#### x``) as (example, rationale) pairs, only those with ``calc_steps`` calculator notes when given (as in
     ``load_examples``); a row without a rationale raises ``DataError`` naming file and row."""
     p, out = Path(path), []
-    examples, _ = load_examples(p, limit=limit, calc_steps=calc_steps)
-    by_id = {ex.id: ex for ex in examples}
-    source = source_name(p)
+    if not p.is_file():
+        raise DataError(f"data file {p} does not exist")
+    source, rows = source_name(p), 0
     for ordinal, (line, row) in enumerate(_iter_rows(p)):
-        if len(out) == len(examples):
+        rows += 1
+        if limit is not None and len(out) >= limit:
             break
         if isinstance(row, DataError):
             raise row
-        ex_id = f"{source}-{row.get('id', row.get('idx', ordinal))}"
-        if ex_id in by_id:
-            out.append((by_id[ex_id], gsm8k_rationale(p, line, row)))
+        example = _row_to_example(p, line, row, source, ordinal)
+        rationale = gsm8k_rationale(p, line, row)
+        if not calc_steps or calc_note_count(rationale) in calc_steps:
+            out.append((example, rationale))
+    if rows == 0:
+        raise DataError(f"data file {p} has no rows (it is empty or only blank lines)")
     return out
 
 

@@ -182,14 +182,21 @@ def generate(
     return out
 
 
-def expert_text(problem: Problem) -> str:
-    """The expert's response in protocol text (what an SFT demonstration or a buffer trajectory looks like)."""
+def expert_parts(problem: Problem) -> list[tuple[bool, str]]:
+    """The expert's response in protocol text as ``(is_policy_step, text)`` segments: each step's thought and tool
+    call (the policy's), then the tool's recorded result (the environment's), and the boxed answer last."""
     parts = []
     for thought, tool, call, result in problem.expert_steps:
         open_t, close_t = PYTHON if tool == "python" else SEARCH
-        parts.append(f"{THINK[0]}{thought}{THINK[1]}{open_t}{call}{close_t}{RESULT[0]}{result}{RESULT[1]}")
-    parts.append(f"{THINK[0]}done{THINK[1]}{ANSWER[0]}\\boxed{{{problem.answers[0]}}}{ANSWER[1]}")
-    return "".join(parts)
+        parts.append((True, f"{THINK[0]}{thought}{THINK[1]}{open_t}{call}{close_t}"))
+        parts.append((False, f"{RESULT[0]}{result}{RESULT[1]}"))
+    parts.append((True, f"{THINK[0]}done{THINK[1]}{ANSWER[0]}\\boxed{{{problem.answers[0]}}}{ANSWER[1]}"))
+    return parts
+
+
+def expert_text(problem: Problem) -> str:
+    """The expert's response in protocol text (what an SFT demonstration or a buffer trajectory looks like)."""
+    return "".join(text for _, text in expert_parts(problem))
 
 
 # ---------------------------------------------------------------- a question's solution path, read from its words

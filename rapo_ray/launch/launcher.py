@@ -418,6 +418,7 @@ def run(cfg: Config, log=print, process_started_at: float | None = None) -> dict
             with startup.stage("held-out before"):
                 before, before_problems = evaluate_starting_policy(cfg, trainer, model_dir, log)
             write_json_atomic(before_path, {**before, "problems": before_problems})
+            metrics.log({"step": 0, **before})  # the held-out curve's first point (kept by a resume's rewind)
             log("held-out before training: " + fmt_eval(before))
         log(startup.line("start-up"))
         # 4. train; a lost learner (node loss) rebuilds the learners and fleet from the last checkpoint.

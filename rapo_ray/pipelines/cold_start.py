@@ -29,7 +29,6 @@ from rapo_ray.envs.loaders import gsm8k_solutions, gsm8k_trajectory_parts
 from rapo_ray.envs.suite import build_tools, to_task
 from rapo_ray.model.factory import load_model, load_tokenizer, resolve_model_dir, save_model
 from rapo_ray.pipelines.sft import train_sft
-from rapo_ray.types.protocol import ANSWER, PYTHON, RESULT, SEARCH, THINK
 
 
 def cold_start_dir(cfg, base: Path) -> Path:
@@ -76,13 +75,7 @@ def demonstrations(cfg, run_python) -> list[tuple[object, list[tuple[bool, str]]
         return out
     for fam in cfg.tasks.families:
         for problem in bundled.generate(fam, "train", cfg.tasks.train_size, cfg.tasks.seed)[: c.examples]:
-            parts = []
-            for thought, tool, call, result in problem.expert_steps:
-                open_tag, close_tag = PYTHON if tool == "python" else SEARCH
-                parts.append((True, f"{THINK[0]}{thought}{THINK[1]}{open_tag}{call}{close_tag}"))
-                parts.append((False, f"{RESULT[0]}{result}{RESULT[1]}"))
-            parts.append((True, f"{THINK[0]}done{THINK[1]}{ANSWER[0]}\\boxed{{{problem.answers[0]}}}{ANSWER[1]}"))
-            out.append((problem, parts))
+            out.append((problem, bundled.expert_parts(problem)))
     return out
 
 

@@ -18,14 +18,26 @@ from rapo_ray.algos.registry import Algorithm
 from rapo_ray.types.batch import TrajectoryBatch
 
 
-def compute_advantages(batch: TrajectoryBatch, algorithm: Algorithm, algo_cfg, on: str = "driver") -> None:
-    """Fill ``batch.step_entropies`` [B][S_i] (from the old-policy pass's ``batch.learner.entropies``),
-    ``advantage``, ``retrieval_reward`` and ``shaping`` [B] with ``algorithm``'s estimator, run in the driver or
-    (``on="ray_data"``) in Ray Data."""
+def fill_step_entropies(batch: TrajectoryBatch) -> None:
+    """``batch.step_entropies`` [B][S_i]: each generated step's mean entropy, from ``batch.learner.entropies``."""
     batch.require("learner")
     lb = batch.learner
     lb.require("entropies")
     batch.step_entropies = [step_entropies(lb.response_values("entropies", i), t.segments) for i, t in enumerate(batch)]
+
+
+def compute_advantages(batch: TrajectoryBatch, algorithm: Algorithm, algo_cfg, on: str = "driver") -> None:
+    """Fill ``batch.step_entropies`` [B][S_i] (from the old-policy pass's ``batch.learner.entropies``),
+    ``advantage``, ``retrieval_reward`` and ``shaping`` [B] with ``algorithm``'s estimator, run in the driver or
+    (``on="ray_data"``) in Ray Data. Without the pass (``rapo_ray/training/old_pass.py``) the step entropies are
+    left empty for an estimator that does not read them, and filled after the update from its own forward."""
+    batch.require("learner")
+    if batch.learner.entropies is not None:
+        fill_step_entropies(batch)
+    elif algorithm.reads_step_entropies(algo_cfg):
+        raise ValueError(f"{algorithm.name} reads the old policy's step entropies: run the old-policy pass first")
+    else:
+        batch.step_entropies = [[] for _ in batch.trajectories]
     columns = batch.advantage_inputs()
     out = (
         advantages_with_ray_data(columns, algorithm, algo_cfg)

@@ -38,8 +38,9 @@ from rapo_ray.envs.suite import family_of, task_difficulty, task_splits
 from rapo_ray.model.factory import load_tokenizer
 from rapo_ray.pipelines.sft import sft_span
 from rapo_ray.training.checkpoints import problem, write_manifest
-from rapo_ray.training.data_flow import compute_advantages
+from rapo_ray.training.data_flow import compute_advantages, fill_step_entropies
 from rapo_ray.training.dynamic_sampling import dynamic_sample
+from rapo_ray.training.old_pass import old_pass_reason
 from rapo_ray.training.prompt_pool import PromptPool
 from rapo_ray.training.reporting import step_metrics, write_trajectories
 from rapo_ray.training.staleness import (
@@ -231,14 +232,22 @@ class Trainer:
         update with global denominators per mini-batch. Returns the update's stats and the stage timings."""
         seconds = {}
         t0 = time.perf_counter()
-        self.learners.forward_old(batch)
+        # one optimizer step on fresh rows that nothing reads pi_old's values before: the update's forward is the pass
+        skip_pass = old_pass_reason(self.cfg, len(batch), self.algorithm) is None
+        if skip_pass:
+            self.learners.learner_batch(batch)
+        else:
+            self.learners.forward_old(batch)
         seconds["old_logprob_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         compute_advantages(batch, self.algorithm, self.cfg.algo, on=self.cfg.trainer.advantages_on)
         seconds["advantages_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        update_stats = self.learners.update(batch, self.step_idx)
+        update_stats = self.learners.update(batch, self.step_idx, old_from_update=skip_pass)
         seconds["update_s"] = time.perf_counter() - t0
+        if skip_pass:
+            fill_step_entropies(batch)  # from the update's own forward, for the metrics and the trajectories
+        update_stats["old_pass_skipped"] = float(skip_pass)
         self.learner_version += 1
         return update_stats, seconds
 

@@ -9,7 +9,8 @@ Shapes (B trajectories; T = the longest prompt + response; ``S_i`` = generated s
 
     stage                         field              shape               filled by
     rollout                       trajectories       [B]                 RolloutFleet.run_step
-    old-policy pass               learner            LearnerBatch        LearnerGroup.forward_old
+    old-policy pass               learner            LearnerBatch        LearnerGroup.forward_old (or the update,
+                                                                             training/old_pass.py)
                                     .old_logprobs    [B, T-1] tensor
                                     .entropies       [B, T-1] tensor
     advantage estimation          step_entropies     [B][S_i]            data_flow.compute_advantages

@@ -11,8 +11,9 @@ per-token field is target-aligned and has T - 1 columns):
     field            shape     dtype    meaning
     input_ids        [B, T]    int32    prompt + response, right-padded with the model's pad id (``long_ids()``)
     loss_mask        [B, T-1]  uint8    1 where the target is a generated token (what the loss trains)
-    old_logprobs     [B, T-1]  float32  log pi_old of each generated target, 0 elsewhere  (LearnerGroup.forward_old)
-    entropies        [B, T-1]  float32  full-vocabulary entropy at each generated target   (LearnerGroup.forward_old)
+    old_logprobs     [B, T-1]  float32  log pi_old of each generated target, 0 elsewhere  (LearnerGroup.forward_old,
+                                        or the update's own forward when the pass is skipped: training/old_pass.py)
+    entropies        [B, T-1]  float32  full-vocabulary entropy at each generated target   (the same)
     advantage        [B]       float32  (LearnerGroup.update, from the step's advantages)
     shaping          [B]       float32  importance shaping factor, 1 without it
     behaviour_logprobs [B, T-1] float32 the engine's log-prob of each generated target, 0 elsewhere; only with

@@ -143,7 +143,10 @@ class LearnerWorker(SyncMember):
             logits = logits_at(model, ids, attn.to(self.device), at, self.cfg.learner.logits_only_at_targets)
         logits = logits.float()
         logp = _spread(logprobs_of(logits, ids[:, 1:][at]), at)
-        return (logp, _spread(token_entropy_from_logits(logits), at)) if entropy else logp
+        if not entropy:
+            return logp
+        with torch.no_grad():  # a metric and the retrieval reward's input: never part of the loss's graph
+            return logp, _spread(token_entropy_from_logits(logits.detach()), at)
 
     @torch.no_grad()
     def forward_old(self, micro_batches: list[LearnerBatch]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -185,12 +188,25 @@ class LearnerWorker(SyncMember):
         out["rows"] = len(mb_of)
         return actor_stats(out, RANK_REDUCE)
 
-    def update(self, mini_batches: list[tuple[list[LearnerBatch], float]]) -> dict:
+    def update(self, mini_batches: list[tuple[list[LearnerBatch], float]], old_from_update: bool = False):
         """``mini_batches``: per PPO mini-batch, this rank's micro-batches and the global denominator. Returns
-        this rank's statistics as RLlib stats (``merge_actor_stats`` combines the ranks by ``RANK_REDUCE``)."""
-        return actor_stats(self._update(mini_batches), RANK_REDUCE)
+        this rank's statistics as RLlib stats (``merge_actor_stats`` combines the ranks by ``RANK_REDUCE``).
 
-    def _update(self, mini_batches: list[tuple[list[LearnerBatch], float]]) -> dict[str, float]:
+        ``old_from_update`` (the old-policy pass skipped, rapo_ray/training/old_pass.py): one mini-batch whose
+        micro-batches carry no ``old_logprobs``; the update's own log-probs, detached, are pi_old. Returns
+        ``(stats, per micro-batch (log-probs, entropies))`` then, laid out as ``forward_old`` returns them."""
+        if not old_from_update:
+            return actor_stats(self._update(mini_batches), RANK_REDUCE)
+        if len(mini_batches) != 1:
+            raise ValueError(f"old_from_update needs one mini-batch per update, got {len(mini_batches)}")
+        passes: list[tuple[np.ndarray, np.ndarray]] = []
+        return actor_stats(self._update(mini_batches, passes), RANK_REDUCE), passes
+
+    def _update(
+        self, mini_batches: list[tuple[list[LearnerBatch], float]], passes: list | None = None
+    ) -> dict[str, float]:
+        """The optimizer steps; with ``passes`` (a list), pi_old is each micro-batch's own log-probs, and those and
+        the entropies are appended to it."""
         stats: dict[str, float] = {}
         n = padded = 0
         for micro_batches, denominator in mini_batches:
@@ -203,10 +219,16 @@ class LearnerWorker(SyncMember):
                 if self.ref_model is not None:  # the KL penalty's reference log-probs (no gradient)
                     with torch.no_grad():
                         ref_logp = self._logprobs_at(ids, attn, at, self.ref_model)
-                logp = self._logprobs_at(ids, attn, at)
+                if passes is None:
+                    logp = self._logprobs_at(ids, attn, at)
+                    old_logp = mb.old_logprobs.to(self.device)
+                else:  # this forward runs at pi_old: its values are the old-policy pass's
+                    logp, ent = self._logprobs_at(ids, attn, at, entropy=True)
+                    old_logp = logp.detach()
+                    passes.append((old_logp.cpu().numpy(), ent.cpu().numpy()))
                 loss, m = policy_loss(
                     logp,
-                    mb.old_logprobs.to(self.device),
+                    old_logp,
                     mb.advantage.to(self.device),
                     mb.loss_mask.to(self.device, torch.float32),
                     self.loss_cfg,
@@ -401,6 +423,22 @@ def split_for_ranks(
     return [[batch.select(mb) if mb else pad for mb in mbs] for mbs in rows], rows
 
 
+def put_back_pass(lb: LearnerBatch, per_rank: list[list[LearnerBatch]], results: list[list[tuple]]) -> None:
+    """Fill ``lb.old_logprobs`` and ``lb.entropies`` ([B, T-1]) from the ranks' per micro-batch (log-probs,
+    entropies) ``results`` for the micro-batches ``per_rank`` that were sent, each row by its ``row`` index (ranks
+    see rows out of order; a padding row, ``row`` -1, is skipped)."""
+    logp = torch.zeros_like(lb.response_mask)
+    ent = torch.zeros_like(lb.response_mask)
+    for mbs, res in zip(per_rank, results):
+        for mb, (lp, en) in zip(mbs, res):
+            real = [(i, r) for i, r in enumerate(mb.row.tolist()) if r >= 0]
+            if real:
+                src, dst = zip(*real)
+                logp[list(dst), : lp.shape[1]] = from_numpy(lp)[list(src)]
+                ent[list(dst), : en.shape[1]] = from_numpy(en)[list(src)]
+    lb.old_logprobs, lb.entropies = logp, ent
+
+
 class LearnerGroup:
     """The learner ranks as one object (after OpenRLHF's actor group): one ``LearnerWorker`` per rank in a
     placement group, one torch.distributed group among them. It splits a ``TrajectoryBatch`` over the ranks
@@ -458,32 +496,35 @@ class LearnerGroup:
         world, lc = self.world_size, self.cfg.learner
         # one pass over the whole batch, in micro-batches no bigger than a rank's share of a mini-batch (memory)
         max_rows = lc.micro_rows(lc.mini_batch_size // world)
-        behaviour = self.cfg.algo.behaviour_correction != "none"
-        lb = LearnerBatch.from_trajectories(batch.trajectories, self.pad_id, behaviour=behaviour)
-        per_rank, rows = split_for_ranks(lb, world, max_rows, self.pad_id, lc.micro_batch_order())
+        lb = self.learner_batch(batch)
+        per_rank, _ = split_for_ranks(lb, world, max_rows, self.pad_id, lc.micro_batch_order())
         results = _gather([w.forward_old.remote(mbs) for w, mbs in zip(self.workers, per_rank)])
-        logp = torch.zeros_like(lb.response_mask)
-        ent = torch.zeros_like(lb.response_mask)
-        for res, rank_rows in zip(results, rows):
-            for idx, (lp, en) in zip(rank_rows, res):  # a padding micro-batch (no rows) is skipped
-                if idx:
-                    logp[idx, : lp.shape[1]], ent[idx, : en.shape[1]] = from_numpy(lp), from_numpy(en)
-        lb.old_logprobs, lb.entropies = logp, ent
-        batch.learner = lb
+        put_back_pass(lb, per_rank, results)
         per_rank_tokens = [sum(mb.input_ids.numel() for mb in mbs) for mbs in per_rank]
         return {"padded_tokens": sum(per_rank_tokens), "slowest_rank_padded_tokens": max(per_rank_tokens)}
 
-    def update(self, batch: TrajectoryBatch, step: int) -> dict:
+    def learner_batch(self, batch: TrajectoryBatch) -> LearnerBatch:
+        """``batch.learner``: the step's trajectories as the learners' padded tensors (no pass run yet)."""
+        behaviour = self.cfg.algo.behaviour_correction != "none"
+        batch.learner = LearnerBatch.from_trajectories(batch.trajectories, self.pad_id, behaviour=behaviour)
+        return batch.learner
+
+    def update(self, batch: TrajectoryBatch, step: int, old_from_update: bool = False) -> dict:
         """PPO epochs over ``batch`` (old log-probs and advantages filled); returns the update's statistics.
 
         Each epoch shuffles the rows (seeded by ``trainer.seed``, ``step`` and the epoch) into mini-batches of
         ``learner.mini_batch_size``; each mini-batch's global loss denominator is fixed before any rank
         computes a loss, and each rank gets its share of it in micro-batches of ``learner.micro_batch_size`` rows
-        (its whole share by default)."""
+        (its whole share by default).
+
+        ``old_from_update`` (the old-policy pass skipped, rapo_ray/training/old_pass.py): one optimizer step whose
+        own log-probs are pi_old; it fills ``batch.learner``'s ``old_logprobs`` and ``entropies`` from it."""
         batch.require("learner", "advantage", "shaping")
         lb = batch.learner.with_advantages(batch.advantage, batch.shaping)
-        lb.require("old_logprobs")
         lc, world = self.cfg.learner, self.world_size
+        if old_from_update:
+            return self._update_at_old_policy(batch, lb)
+        lb.require("old_logprobs")
         agg = self.cfg.algo.loss_agg_mode
         dealing = lc.micro_batch_order()
         out: dict[str, float] = {}
@@ -504,6 +545,22 @@ class LearnerGroup:
             out = merge_actor_stats(stats)  # the last epoch's numbers are reported
             out.pop("rows", None)  # streaming_split's delivery count, checked in _update_streaming
         return out
+
+    def _update_at_old_policy(self, batch: TrajectoryBatch, lb: LearnerBatch) -> dict:
+        """One optimizer step over all of ``lb``'s rows, in row order, whose forward stands in for the old-policy
+        pass (its values go into ``batch.learner``)."""
+        lc = self.cfg.learner
+        if lc.ppo_epochs != 1 or len(lb) > lc.mini_batch_size or self.cfg.trainer.learner_feed != "driver":
+            raise ValueError(
+                f"the update stands in for the old-policy pass only as one optimizer step on the driver feed "
+                f"(learner.ppo_epochs={lc.ppo_epochs}, {len(lb)} rows, learner.mini_batch_size={lc.mini_batch_size}, "
+                f"trainer.learner_feed={self.cfg.trainer.learner_feed})"
+            )
+        denominator = aggregation_denominator(lb.loss_mask.float(), self.cfg.algo.loss_agg_mode)
+        split, _ = split_for_ranks(lb, self.world_size, lc.micro_batch_size, self.pad_id, lc.micro_batch_order())
+        results = _gather([w.update.remote([(split[r], denominator)], True) for r, w in enumerate(self.workers)])
+        put_back_pass(batch.learner, split, [passes for _, passes in results])
+        return merge_actor_stats([stats for stats, _ in results])
 
     def _update_streaming(self, minis: list[LearnerBatch], denoms: list[float]) -> list[dict]:
         """One epoch's mini-batches as a Ray Data dataset (one block per micro-batch's worth of rows, all of the

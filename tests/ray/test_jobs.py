@@ -46,6 +46,15 @@ def test_evaluate_checkpoint_on_bundled_and_a_data_file(ray_session, tiny_cfg, t
     assert res["arith"]["n"] == 4 and res["mini"]["n"] == 3
     for r in res.values():
         assert 0.0 <= r["accuracy"] <= r["f1"] + 1e-9 <= 1.0 + 1e-9 and 0.0 <= r["format_valid"] <= 1.0
+    # the same checkpoint again against the first run (--baseline): greedy, so nothing flips; per-problem results kept
+    again = tmp_path / "again.json"
+    args = ["--checkpoint", str(tiny_model_dir), "--datasets", str(data), "--limit", "4", "--out", str(again)]
+    assert evaluate_job.main([*args, "--baseline", str(out)] + overrides) == 0
+    saved = json.loads(again.read_text())
+    assert len(saved["problems"]["mini"]) == 3
+    assert saved["paired_change"]["mini"] == {"n": 3, "fixed": 0, "broken": 0, "gain": 0.0, "p_value": 1.0}
+    (tmp_path / "bad.json").write_text("{}")
+    assert evaluate_job.main([*args, "--baseline", str(tmp_path / "bad.json")] + overrides) == 2
     with pytest.raises(SystemExit, match="is not 'bundled', a file, or a folder"):
         evaluate_job.main(["--checkpoint", str(tiny_model_dir), "--datasets", "nope.jsonl"] + overrides)
     assert evaluate_job.main(["--checkpoint", str(tmp_path / "missing")] + overrides) == 2

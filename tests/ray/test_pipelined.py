@@ -47,6 +47,7 @@ def _equal(a: dict, b: dict) -> bool:
 
 def test_k0_is_the_synchronous_step_bit_for_bit(sync_cfg, policy_dir, tmp_path):
     from rapo_ray.training.data_flow import compute_advantages
+    from rapo_ray.training.old_pass import old_pass_reason
 
     cfg = sync_cfg
     trainer = _trainer(cfg, policy_dir, tmp_path / "a")
@@ -65,9 +66,11 @@ def test_k0_is_the_synchronous_step_bit_for_bit(sync_cfg, policy_dir, tmp_path):
         for s in range(2):
             groups = ref._sample_groups(cfg.trainer.prompts_per_step, s)
             batch, _ = ref.fleet.run_step(groups, cfg.algo.group_size, seed=cfg.trainer.seed * 7919 + s)
-            ref.learners.forward_old(batch)
+            skip = old_pass_reason(cfg, len(batch), ref.algorithm) is None  # one update on fresh rows: GRPO skips
+            (ref.learners.learner_batch if skip else ref.learners.forward_old)(batch)
             compute_advantages(batch, ref.algorithm, cfg.algo, on=cfg.trainer.advantages_on)
-            ref.learners.update(batch, s)
+            ref.learners.update(batch, s, old_from_update=skip)
+            assert steps[s]["update/old_pass_skipped"] == float(skip)
             ref.version = s + 1
             ref.sync_weights()
             assert steps[s]["reward"] == pytest.approx(sum(batch.rewards()) / len(batch), abs=0)

@@ -76,6 +76,7 @@ def test_end_to_end_rapo_and_resume(ray_session, warm_cfg):
     assert sum(line.startswith("start-up ") for line in said) == 1
     metrics = [json.loads(x) for x in open(f"{rd}/metrics.jsonl")]
     steps = [m for m in metrics if "reward" in m]
+    assert metrics[0] == {"step": 0, **summary["before"]}  # the held-out curve starts at the starting policy
     assert len(steps) == 2 and all(m["rollout_tokens"] > 0 and m["learner_tokens_per_s"] > 0 for m in steps)
     assert sum(m["retrievals"] for m in steps) > 0  # hybrid slots retrieved through Serve + Milvus
     assert sum(m["inserted_steps"] for m in steps) > 0  # on-policy steps went into the buffer through Serve

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import ray
 import torch
@@ -98,6 +99,16 @@ def _trajectories_of_lengths(response_lengths: list[int]) -> list[Trajectory]:
                    loss_mask=[1] * n)
         for i, n in enumerate(response_lengths)
     ]  # fmt: skip
+
+
+def _four_rows(model_dir) -> tuple[LearnerBatch, float]:
+    """Four trained rows of 6-9 generated tokens after a 3-token prompt, and their loss tokens (the denominator)."""
+    trajs = [
+        Trajectory(f"g{i}", i, "on_policy", f"p{i}", "qa", (), prompt_ids=[3, 4, 5],
+                   response_ids=list(range(6, 12 + i)), loss_mask=[1] * (6 + i))
+        for i in range(4)
+    ]  # fmt: skip
+    return LearnerBatch.from_trajectories(trajs, pad_token_id(model_dir)), float(sum(len(t.loss_mask) for t in trajs))
 
 
 def _kill(worker):
@@ -436,13 +447,7 @@ def test_micro_batches_accumulate_to_the_same_update(ray_session, fleet_cfg, tin
     assert replace(fleet_cfg.learner, micro_batch_size=3).micro_rows(8) == 3
     assert replace(fleet_cfg.learner, micro_batch_size=3).micro_rows(2) == 2
     cfg = replace(fleet_cfg, learner=replace(fleet_cfg.learner, lr=3e-3, world_size=1))
-    trajs = [
-        Trajectory(f"g{i}", i, "on_policy", f"p{i}", "qa", (), prompt_ids=[3, 4, 5],
-                   response_ids=list(range(6, 12 + i)), loss_mask=[1] * (6 + i))
-        for i in range(4)
-    ]  # fmt: skip
-    batch = LearnerBatch.from_trajectories(trajs, pad_token_id(tiny_model_dir))
-    denominator = float(sum(len(t.loss_mask) for t in trajs))
+    batch, denominator = _four_rows(tiny_model_dir)
     results = []
     for micro in (False, True):
         actor = ray.remote(num_cpus=0.5)(LearnerWorker).remote(
@@ -465,6 +470,51 @@ def test_micro_batches_accumulate_to_the_same_update(ray_session, fleet_cfg, tin
     moved = float((after_whole - old).abs().max())
     gap = float((after_whole - after_micro).abs().max())
     assert moved > 1e-3 and gap < 1e-4 * moved
+
+
+def test_the_update_standing_in_for_the_old_pass_gives_the_same_loss_gradients_and_values(
+    ray_session, fleet_cfg, tiny_model_dir
+):
+    """One optimizer step on fresh rows (rapo_ray/training/old_pass.py): the update whose own log-probs, detached,
+    are pi_old gives the loss, the gradient norm and the new weights that the separate old-policy pass gives, and
+    hands back that pass's log-probs and entropies; in 2-row micro-batches, as the trainer splits a rank's rows."""
+    from dataclasses import asdict, replace
+
+    from rapo_ray.core.metrics import merge_actor_stats
+    from rapo_ray.core.net import free_port
+    from rapo_ray.workers.learner import LearnerWorker
+
+    cfg = replace(fleet_cfg, learner=replace(fleet_cfg.learner, lr=3e-3, world_size=1))
+    batch, denominator = _four_rows(tiny_model_dir)
+    full = batch.with_advantages([1.0, -1.0, 0.5, -0.5], [1.0] * 4)
+    results = []
+    for skip in (False, True):
+        actor = ray.remote(num_cpus=0.5)(LearnerWorker).remote(
+            0, 1, free_port(), str(tiny_model_dir), asdict(cfg), "gloo"
+        )
+        try:
+            ((old, ent),) = ray.get(actor.forward_old.remote([batch]))  # before the update: pi_old
+            mini = replace(full, old_logprobs=None if skip else from_numpy(old))
+            micro = [mini.select([0, 1]), mini.select([2, 3])]
+            out = ray.get(actor.update.remote([(micro, denominator)], skip))
+            stats, passes = out if skip else (out, None)
+            after = from_numpy(ray.get(actor.forward_old.remote([batch]))[0][0])
+            results.append((merge_actor_stats([stats]), after, old, ent, passes))
+        finally:
+            ray.get(actor.shutdown.remote())
+            ray.kill(actor)
+    (with_pass, after_pass, old, ent, _), (skipped, after_skip, _, _, passes) = results
+    assert skipped["loss_sum"] == pytest.approx(with_pass["loss_sum"], abs=1e-6)
+    assert skipped["grad_norm"] == pytest.approx(with_pass["grad_norm"], rel=1e-5)
+    moved = float((after_pass - from_numpy(old)).abs().max())
+    assert moved > 1e-3 and float((after_skip - after_pass).abs().max()) < 1e-4 * moved
+    # the values handed back are the pass's, row by row (each micro-batch trimmed to its longest row)
+    for rows, (lp, en) in zip(([0, 1], [2, 3]), passes):
+        assert np.allclose(lp, old[rows, : lp.shape[1]], atol=1e-5) and np.allclose(
+            en, ent[rows, : en.shape[1]], atol=1e-5
+        )
+    with pytest.raises(ValueError, match="one mini-batch"):  # a second optimizer step would not be at pi_old
+        LearnerWorker.update(None, [([], 1.0), ([], 1.0)], True)
 
 
 def test_the_behaviour_correction_reaches_the_learners_loss(ray_session, fleet_cfg, tiny_model_dir):

@@ -135,6 +135,32 @@ def test_tables_pair_each_rapo_variant_with_rapo_and_give_each_step_time_against
     assert "| grpo | grpo |" not in text
 
 
+def test_tables_give_each_runs_held_out_change_and_the_flips_pooled_over_its_seeds():
+    """#62's claim for one recipe: each seed's before -> after with its own sign test, then the seeds' flips pooled:
+    6 fixed and 0 broken in all (2^-5 two-sided: 0.03125), where no single seed is significant."""
+    compare = compare_module()
+    runs = [
+        {
+            "method": "grpo",
+            "seed": seed,
+            "before": {"eval/arith/accuracy": 0.5, "eval/mean_accuracy": 0.5},
+            "after": {"eval/arith/accuracy": 0.5 + fixed / 10, "eval/mean_accuracy": 0.5 + fixed / 10},
+            "paired_change": {"arith": {"n": 10, "fixed": fixed, "broken": 0, "p_value": 0.5**fixed * 2}},
+            "per_step": {"step_s": 1.0},
+            "rewards": {},
+        }
+        for seed, fixed in ((1, 2), (0, 1), (2, 3))
+    ]
+    rows = compare.held_out_change(runs, ["arith"])
+    assert rows[3:] == [
+        "| grpo | arith | 0 | 0.500 | 0.600 | 1 | 0 | 1 |",
+        "| grpo | arith | 1 | 0.500 | 0.700 | 2 | 0 | 0.5 |",
+        "| grpo | arith | 2 | 0.500 | 0.800 | 3 | 0 | 0.25 |",
+        "| grpo | arith | pooled (3) | | | 6 | 0 | 0.031 |",
+    ]
+    assert "| grpo | arith | pooled (3) |" in compare.tables(runs)
+
+
 def test_a_finished_run_is_reused_only_for_the_config_it_was_run_with(tmp_path):
     """A finished run of an arm is reused by a later comparison only when its saved config is what the arm asks for
     today: after a default changed (the retrieval backend, #39), an old run under the same name is named, not mixed

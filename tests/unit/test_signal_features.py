@@ -211,12 +211,18 @@ def test_calc_steps_keeps_rows_by_their_calculator_notes(tmp_path):
     kept, report = load_examples(f, calc_steps=(1, 2))
     assert [e.question for e in kept] == ["q1", "q2"] and (report.loaded, report.filtered) == (2, 2)
     assert [e.question for e in load_examples(f, calc_steps=(1, 2, 3), limit=2)[0]] == ["q1", "q2"]
-    assert [(e.question, r.count("<<")) for e, r in gsm8k_solutions(f, None, (2, 3))] == [("q2", 2), ("q3", 3)]
+    solved = gsm8k_solutions(f, None, (2, 3))
+    assert [(e.question, r.count("<<")) for e, r in solved] == [("q2", 2), ("q3", 3)]
+    # the same examples (ids by place in the whole file) as load_examples gives, and limit counts the rows kept
+    assert [e for e, _ in solved] == load_examples(f, calc_steps=(2, 3))[0]
+    assert [e.id for e, _ in gsm8k_solutions(f, 1, (2, 3))] == [solved[0][0].id] and solved[0][0].id.endswith("-2")
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"question": "q", "answer": "42"}) + "\n")
     load_examples(bad)  # a plain answer is fine without the filter
     with pytest.raises(DataError, match=r"bad.jsonl: row 0: field 'answer' is not a GSM8K rationale"):
         load_examples(bad, calc_steps=(1,))
+    with pytest.raises(DataError, match=r"bad.jsonl: row 0: field 'answer' is not a GSM8K rationale"):
+        gsm8k_solutions(bad, None)
     with pytest.raises(ConfigError, match="tasks.calc_steps"):
         load_config(None, ["tasks.calc_steps=[-1]"])
 

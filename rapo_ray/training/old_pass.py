@@ -1,0 +1,40 @@
+"""Whether a step needs the learners' old-policy pass, or the update's own forward can stand in for it.
+
+PPO's ratio is pi_theta / pi_old, with pi_old the policy before the update. When the update makes exactly one
+optimizer step over the step's rows (one epoch, one mini-batch) and those rows were sampled by the learners' current
+weights (no staleness), the update's first and only forward runs at pi_old: a separate no-grad pass computes the same
+log-probs again, up to float rounding. The update then uses its own log-probs, detached, as pi_old (ratio 1, the
+clip inactive; the gradient is A * grad log pi, as with the pass) and hands them back, with the full-vocabulary
+entropies, for the metrics (``logprob_gap_*``, ``entropy``). TRL's GRPOTrainer skips the pass in the same case.
+
+The pass still runs when anything reads its values before the update (RAPO's retrieval reward reads the step
+entropies), or when the update's forward would not be at pi_old (several epochs or mini-batches: every optimizer step
+after the first; a bounded-staleness run, kept to the pass by design), or with the streaming_split feed, where rows
+reach the ranks dynamically and could not be put back in order.
+"""
+
+from __future__ import annotations
+
+from rapo_ray.algos.registry import Algorithm
+
+
+def old_pass_reason(cfg, rows: int, algorithm: Algorithm) -> str | None:
+    """Why a step of ``rows`` trajectories needs the separate old-policy pass under ``cfg``; None when the update's
+    own forward gives the same values (the pass is redundant and is skipped)."""
+    lc = cfg.learner
+    if not lc.skip_redundant_old_pass:
+        return "learner.skip_redundant_old_pass is off"
+    if lc.ppo_epochs > 1:
+        return f"learner.ppo_epochs={lc.ppo_epochs}: the later epochs' ratios are against the policy before the first"
+    if rows > lc.mini_batch_size:
+        return (
+            f"{rows} rows in mini-batches of learner.mini_batch_size={lc.mini_batch_size}: the later mini-batches' "
+            "ratios are against the policy before the first"
+        )
+    if cfg.algo.max_staleness > 0:
+        return f"algo.max_staleness={cfg.algo.max_staleness}: rows sampled by older weights"
+    if cfg.trainer.learner_feed != "driver":
+        return f"trainer.learner_feed={cfg.trainer.learner_feed}: rows reach the ranks dynamically"
+    if algorithm.reads_step_entropies(cfg.algo):
+        return f"{algorithm.name}'s estimator reads the old policy's step entropies before the update"
+    return None
