@@ -179,7 +179,7 @@ def run_one(method: str, seed: int, args, out: Path) -> dict | None:
         "paired_change": summary.get("paired_change", {}),
         "curve": [(m["step"], m["reward"]) for m in steps],
         # held-out accuracy at step 0 (before), every trainer.eval_every steps, and after
-        "eval_curve": [(m["step"], m["eval/mean_accuracy"]) for m in metrics if "eval/mean_accuracy" in m],
+        "eval_curve": eval_curve(metrics, summary["before"]),
         "wall": list(itertools.accumulate(m["step_s"] for m in steps)),  # seconds of training after each step
         "group_size": yaml.safe_load((run_dir / "config.yaml").read_text())["algo"]["group_size"],
         "per_step": {k: statistics.median(m[k] for m in steps) for k in STEP_KEYS if steps and k in steps[0]},
@@ -200,6 +200,13 @@ def run_one(method: str, seed: int, args, out: Path) -> dict | None:
         if (after := run_dir / "eval_after.json").is_file()
         else {},
     }
+
+
+def eval_curve(metrics: list[dict], before: dict) -> list[tuple[int, float]]:
+    """(step, held-out mean accuracy) of a run from its metrics, starting at step 0 with ``before`` (its summary's:
+    runs before the launcher logged it at step 0 have it only there)."""
+    curve = [(m["step"], m["eval/mean_accuracy"]) for m in metrics if "eval/mean_accuracy" in m]
+    return curve if curve and curve[0][0] == 0 else [(0, before["eval/mean_accuracy"]), *curve]
 
 
 def speed_normalized(steps: list[dict], rounds: list[dict]) -> dict[str, float]:
@@ -409,20 +416,20 @@ def tables(results: list[dict]) -> str:
         delta = [r["after"]["eval/mean_accuracy"] - r["before"]["eval/mean_accuracy"] for r in rs]
         lines.append(f"| {method} | " + " | ".join(cells) + f" | {_ms(mean)} | {_ms(delta)} |")
     lines += held_out_change(results, fams)
-    if any(r.get("after_problems") for r in results):
+    pairs = [
+        f"| {method} | {baseline} | {fam} | {pv['n']} | {pv['fixed']} | {pv['broken']} | "
+        f"{pv['gain']:+.3f} | {pv['p_value']:.3f} |"
+        for method, baseline in baselines(results)
+        for fam in fams
+        if (pv := paired_vs(results, method, baseline, fam))
+    ]
+    if pairs:  # methods against each other, where two ran
         lines += [
             "",
             "| method | vs | family | problems x seeds | method only | baseline only | gain | sign test p |",
             "|---|---|---|---|---|---|---|---|",
+            *pairs,
         ]
-        for method, baseline in baselines(results):
-            for fam in fams:
-                pv = paired_vs(results, method, baseline, fam)
-                if pv:
-                    lines.append(
-                        f"| {method} | {baseline} | {fam} | {pv['n']} | {pv['fixed']} | {pv['broken']} | "
-                        f"{pv['gain']:+.3f} | {pv['p_value']:.3f} |"
-                    )
     lines += [
         "",
         "| method | step s | vs grpo | rollout s | retrieval s | old-logprob s | update s | sync s | rollout tokens | "

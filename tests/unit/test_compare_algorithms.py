@@ -159,6 +159,15 @@ def test_tables_give_each_runs_held_out_change_and_the_flips_pooled_over_its_see
         "| grpo | arith | pooled (3) | | | 6 | 0 | 0.031 |",
     ]
     assert "| grpo | arith | pooled (3) |" in compare.tables(runs)
+    # the held-out curve starts at the starting policy, logged at step 0 or (older runs) only in the summary
+    evals = [
+        {"step": 10, "eval/mean_accuracy": 0.7},
+        {"step": 10, "reward": 1.0},
+        {"step": 30, "eval/mean_accuracy": 0.8},
+    ]
+    assert compare.eval_curve(evals, {"eval/mean_accuracy": 0.5}) == [(0, 0.5), (10, 0.7), (30, 0.8)]
+    logged = [{"step": 0, "eval/mean_accuracy": 0.5}, *evals]
+    assert compare.eval_curve(logged, {"eval/mean_accuracy": 0.5}) == [(0, 0.5), (10, 0.7), (30, 0.8)]
 
 
 def test_a_finished_run_is_reused_only_for_the_config_it_was_run_with(tmp_path):
