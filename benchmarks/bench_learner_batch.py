@@ -99,7 +99,7 @@ def now_payloads(trajs: list[Trajectory]) -> tuple[list, float]:
     forward_in, _ = split_for_ranks(lb, WORLD, MINI // WORLD, 0)
     forward_out = [[(mb.response_mask.numpy(), mb.response_mask.numpy()) for mb in mbs] for mbs in forward_in]
     lb.old_logprobs, lb.entropies = torch.zeros_like(lb.response_mask), torch.zeros_like(lb.response_mask)
-    lb = lb.with_advantages([0.5] * len(lb), [1.0] * len(lb))
+    lb = lb.with_signal({"advantage": [0.5] * len(lb), "shaping": [1.0] * len(lb)})
     order = list(range(len(lb)))
     random.Random(0).shuffle(order)
     update_in = [[] for _ in range(WORLD)]

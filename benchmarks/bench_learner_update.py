@@ -42,21 +42,21 @@ ORDER_FLAGS = {  # types.batch.MICRO_BATCH_ORDERS -> (balanced_micro_batches, le
     "length-sorted": (False, True),
 }
 LOGITS_FLAGS = {"targets": True, "all": False}  # -> learner.logits_only_at_targets
-COLUMNS = ["prompt_ids", "response_ids", "loss_mask", "logprobs", "slot_kind", "advantage", "shaping"]
+COLUMNS = ["prompt_ids", "response_ids", "loss_mask", "logprobs", "slot_kind"]
+SIGNAL = ("advantage", "shaping")  # the algorithm's outputs the loss reads, where the step's file has them
 
 
-def step_batch(parquet: Path) -> TrajectoryBatch:
-    """A saved step as the learner sees it: trajectories with their tokens, advantages and shaping."""
-    rows = pq.read_table(parquet, columns=COLUMNS).to_pylist()
+def step_batch(parquet: Path) -> tuple[TrajectoryBatch, dict[str, list[float]]]:
+    """A saved step as the learner sees it: trajectories with their tokens, and the per-row outputs of its algorithm
+    that the loss reads (``advantage``, and ``shaping`` for RAPO), to put into ``batch.learner`` once it is built."""
+    table = pq.read_table(parquet)
+    rows = table.select(COLUMNS + [c for c in SIGNAL if c in table.column_names]).to_pylist()
     trajs = []
     for i, r in enumerate(rows):
         t = Trajectory(f"g{i}", i, r["slot_kind"], f"p{i}", "qa", (), prompt_ids=list(r["prompt_ids"]))
         t.response_ids, t.loss_mask, t.logprobs = list(r["response_ids"]), list(r["loss_mask"]), list(r["logprobs"])
         trajs.append(t)
-    batch = TrajectoryBatch(trajs)
-    batch.advantage = [float(r["advantage"]) for r in rows]
-    batch.shaping = [float(r["shaping"]) for r in rows]
-    return batch
+    return TrajectoryBatch(trajs), {c: [float(r[c]) for r in rows] for c in SIGNAL if c in table.column_names}
 
 
 def parse_steps(text: str) -> range:
@@ -90,7 +90,7 @@ def replay(
     per_variant: dict[str, dict[str, list[float]]] = {variant_name(o, m, logits_modes): {} for o, m in variants}
     try:
         for k, f in enumerate(files):
-            batch = step_batch(f)
+            batch, signal = step_batch(f)
             lengths = [len(t.prompt_ids) + len(t.response_ids) for t in batch]
             for order, mode in variants if k % 2 == 0 else variants[::-1]:
                 balanced, length_sorted = ORDER_FLAGS[order]
@@ -104,6 +104,7 @@ def replay(
                 ray.get([w.__ray_call__.remote(_set_logits_mode, LOGITS_FLAGS[mode]) for w in group.workers])
                 t0 = time.perf_counter()
                 old = group.forward_old(batch)
+                batch.learner = batch.learner.with_signal(signal)
                 t1 = time.perf_counter()
                 stats = group.update(batch, step=int(f.stem.split("-")[1]))
                 t2 = time.perf_counter()

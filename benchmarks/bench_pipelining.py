@@ -31,8 +31,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from compare_algorithms import train_once
-
+from benchmarks.compare_algorithms import train_once
 from rapo_ray.core.devices import machine_record
 from rapo_ray.core.files import write_json_atomic
 

@@ -25,8 +25,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-from load import percentile_ms, run_clients  # noqa: E402
-
+from benchmarks.load import percentile_ms, run_clients  # noqa: E402
 from rapo_ray.core.net import free_port  # noqa: E402
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

@@ -41,10 +41,10 @@ import numpy as np
 import psutil
 import ray
 import torch
-from bench_query_forms import collection_rows, run_queries
-from load import percentile_ms, run_clients
 from ray import serve
 
+from benchmarks.bench_query_forms import collection_rows, run_queries
+from benchmarks.load import percentile_ms, run_clients
 from rapo_ray.agent.retriever import StoredStep, query_text
 from rapo_ray.config import load_config
 from rapo_ray.core.devices import machine_record

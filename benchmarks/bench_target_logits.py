@@ -20,8 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_learner_update import step_batch
-
+from benchmarks.bench_learner_update import step_batch
 from rapo_ray.algos.loss import logprobs_of
 from rapo_ray.core.devices import machine_record
 from rapo_ray.core.files import write_json_atomic
@@ -36,7 +35,7 @@ def one_pass(model_dir: str, parquet: str, rows: int, mode: str) -> dict:
     """The pass itself, in this process: seconds, RSS before and peak (MB), and the micro-batch's shape."""
     set_torch_threads(1)
     model = load_model(model_dir).train()
-    trajs = sorted(step_batch(Path(parquet)).trajectories, key=lambda t: -(len(t.prompt_ids) + len(t.response_ids)))
+    trajs = sorted(step_batch(Path(parquet))[0].trajectories, key=lambda t: -(len(t.prompt_ids) + len(t.response_ids)))
     mb = LearnerBatch.from_trajectories(trajs[:rows], pad_token_id(model_dir))
     ids, at = mb.long_ids(), mb.loss_mask > 0
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

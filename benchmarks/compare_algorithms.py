@@ -33,8 +33,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import yaml
-from box_load import BoxLoad
 
+from benchmarks.box_load import BoxLoad
 from rapo_ray.agent.evaluation import paired_change, sign_test_p
 from rapo_ray.agent.turns import answer_handed
 from rapo_ray.config import load_config

@@ -62,8 +62,8 @@ from queue import SimpleQueue  # noqa: E402
 
 import ray  # noqa: E402
 import torch  # noqa: E402
-from cluster_sim import local_cluster, scenario_dir  # noqa: E402
 
+from benchmarks.cluster_sim import local_cluster, scenario_dir  # noqa: E402
 from rapo_ray.config import load_config  # noqa: E402
 from rapo_ray.core.devices import machine_record  # noqa: E402
 from rapo_ray.core.files import write_json_atomic  # noqa: E402

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
+import importlib
 from pathlib import Path
 
 from rapo_ray.agent.loop import LoopSettings
@@ -41,14 +40,8 @@ def write_checkpoint(root, step: int) -> Path:
 
 
 def benchmark_module(name: str):
-    """``benchmarks/<name>.py``, imported from its file (benchmarks/ is not a package). Its own folder goes on
-    ``sys.path`` first, as when it runs as a script, so it can import the benchmarks beside it."""
-    if str(REPO / "benchmarks") not in sys.path:
-        sys.path.insert(0, str(REPO / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """``benchmarks/<name>.py`` as the module ``benchmarks.<name>`` (the package is installed with rapo_ray)."""
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 def compare_module():

@@ -24,98 +24,132 @@ def run_per_trajectory(
     rollout: RolloutPolicy,
     tasks_by_group: dict[str, Task],
 ) -> list[Trajectory]:
-    run_seed = turns.rng.randrange(2**31)
-    rngs: dict[int, random.Random] = {}
-    in_flight: dict = {}  # future -> (kind, trajectory index, started at)
-    retrievals: dict[int, Retrieval] = {}
-    generating = [0, 0.0]  # generations in flight, when the count last left 0
-    retriever = turns.retriever
-    retrieve_pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="retrieve") if retriever is not None else None
-
-    def rng_of(i: int) -> random.Random:
-        if i not in rngs:
-            rngs[i] = random.Random(f"{run_seed}:{trajs[i].group_id}:{trajs[i].slot}")
-        return rngs[i]
-
-    def start_turn(i: int) -> None:
-        t = trajs[i]
-        if retriever is not None and rollout.wants_retrieval(t, rng_of(i)):
-            fut = retrieve_pool.submit(retriever.retrieve, [turns.query(t)], [t.problem_id])
-            in_flight[fut] = ("retrieve", i, time.perf_counter())
-            return
-        start_generation(i)
-
-    def start_generation(i: int) -> None:
-        t = trajs[i]
-        room = turns.room(t)
-        if room <= 0:
-            turns.finish(t, "length")
-            return
-        if generating[0] == 0:
-            generating[1] = time.perf_counter()
-        generating[0] += 1
-        fut = turns.engine.submit(t.token_ids(), turns.step_params(room, rng_of(i)))
-        in_flight[fut] = ("generate", i, time.perf_counter())
-
-    def after_tool(i: int) -> None:
-        n_before = len(trajs)
-        if not trajs[i].finished:
-            rollout.after_tool(trajs, [i])
-        for j in [i] + list(range(n_before, len(trajs))):  # the trajectory, then any fork made from it
-            if not trajs[j].finished:
-                start_turn(j)
-
-    try:
-        for i in range(len(trajs)):
-            start_turn(i)
-        while True:
-            if not in_flight:
-                n_before = len(trajs)
-                for gid, n in rollout.refill(trajs).items():
-                    turns.add_samples(trajs, tasks_by_group[gid], gid, [ON_POLICY] * n)
-                if len(trajs) > n_before:
-                    for i in range(n_before, len(trajs)):
-                        start_turn(i)
-                    continue
-                break
-            done, _ = wait(list(in_flight), return_when=FIRST_COMPLETED)
-            for fut in done:
-                kind, i, started = in_flight.pop(fut)
-                t = trajs[i]
-                if kind == "retrieve":
-                    stats.retrieve_s += time.perf_counter() - started
-                    try:
-                        r = turns.insert_retrieval(t, fut.result()[0])
-                    except RetrievalFailed:
-                        t.retrieval_errors += 1
-                        r = None
-                    if r is not None:
-                        retrievals[i] = r
-                    start_generation(i)
-                elif kind == "generate":
-                    generating[0] -= 1
-                    if generating[0] == 0:
-                        stats.generate_s += time.perf_counter() - generating[1]
-                    stats.engine_calls += 1
-                    call = turns.take_step(t, fut.result(), retrievals.pop(i, None))
-                    if call is None:
-                        continue
-                    tool, content = call
-                    malformed = malformed_call_result(content)
-                    if malformed is not None:
-                        turns.append_tool_result(t, malformed)
-                        after_tool(i)
-                    else:
-                        in_flight[turns.tools.submit(tool, content)] = ("tool", i, time.perf_counter())
-                else:  # tool
-                    res = fut.result()
-                    stats.tool_s += res.elapsed_s
-                    turns.append_tool_result(t, res)
-                    after_tool(i)
-        stats.turns = max((t.num_generated_steps for t in trajs), default=0)
-    finally:
-        if retrieve_pool is not None:
-            retrieve_pool.shutdown(wait=False, cancel_futures=True)
+    """Roll ``trajs`` out to the end (their refills and forks included), then score them."""
+    PerTrajectoryRun(turns, trajs, stats, rollout, tasks_by_group).run()
     for t in trajs:
         turns.score(t, rollout)
     return trajs
+
+
+class PerTrajectoryRun:
+    """One call of the schedule: the requests in flight and what happens when each kind finishes."""
+
+    def __init__(
+        self,
+        turns: AgentTurns,
+        trajs: list[Trajectory],
+        stats: RolloutStats,
+        rollout: RolloutPolicy,
+        tasks_by_group: dict[str, Task],
+    ):
+        self.turns, self.trajs, self.stats, self.rollout, self.tasks_by_group = (
+            turns,
+            trajs,
+            stats,
+            rollout,
+            tasks_by_group,
+        )
+        self.run_seed = turns.rng.randrange(2**31)
+        self.rngs: dict[int, random.Random] = {}
+        self.in_flight: dict = {}  # future -> (kind, trajectory index, started at)
+        self.retrievals: dict[int, Retrieval] = {}
+        self.generating, self.generating_since = 0, 0.0  # generations in flight, when the count last left 0
+        self.retriever = turns.retriever
+        self.retrieve_pool = None
+
+    def run(self) -> None:
+        if self.retriever is not None:
+            self.retrieve_pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="retrieve")
+        try:
+            for i in range(len(self.trajs)):
+                self.start_turn(i)
+            while self.in_flight or self.refill():
+                if not self.in_flight:  # the refills finished at once (no room left): refill again
+                    continue
+                done, _ = wait(list(self.in_flight), return_when=FIRST_COMPLETED)
+                for fut in done:
+                    kind, i, started = self.in_flight.pop(fut)
+                    {"retrieve": self.retrieved, "generate": self.generated, "tool": self.tool_done}[kind](
+                        i, fut, started
+                    )
+            self.stats.turns = max((t.num_generated_steps for t in self.trajs), default=0)
+        finally:
+            if self.retrieve_pool is not None:
+                self.retrieve_pool.shutdown(wait=False, cancel_futures=True)
+
+    def rng_of(self, i: int) -> random.Random:
+        if i not in self.rngs:
+            self.rngs[i] = random.Random(f"{self.run_seed}:{self.trajs[i].group_id}:{self.trajs[i].slot}")
+        return self.rngs[i]
+
+    def refill(self) -> bool:
+        """Nothing in flight: the rollout policy's refills (ARPO's full samples for unspent branch budget) start;
+        False when there are none (the rollout is over)."""
+        n_before = len(self.trajs)
+        for gid, n in self.rollout.refill(self.trajs).items():
+            self.turns.add_samples(self.trajs, self.tasks_by_group[gid], gid, [ON_POLICY] * n)
+        for i in range(n_before, len(self.trajs)):
+            self.start_turn(i)
+        return len(self.trajs) > n_before
+
+    def start_turn(self, i: int) -> None:
+        t = self.trajs[i]
+        if self.retriever is not None and self.rollout.wants_retrieval(t, self.rng_of(i)):
+            fut = self.retrieve_pool.submit(self.retriever.retrieve, [self.turns.query(t)], [t.problem_id])
+            self.in_flight[fut] = ("retrieve", i, time.perf_counter())
+            return
+        self.start_generation(i)
+
+    def start_generation(self, i: int) -> None:
+        t = self.trajs[i]
+        room = self.turns.room(t)
+        if room <= 0:
+            self.turns.finish(t, "length")
+            return
+        if self.generating == 0:
+            self.generating_since = time.perf_counter()
+        self.generating += 1
+        fut = self.turns.engine.submit(t.token_ids(), self.turns.step_params(room, self.rng_of(i)))
+        self.in_flight[fut] = ("generate", i, time.perf_counter())
+
+    def after_tool(self, i: int) -> None:
+        n_before = len(self.trajs)
+        if not self.trajs[i].finished:
+            self.rollout.after_tool(self.trajs, [i])
+        for j in [i] + list(range(n_before, len(self.trajs))):  # the trajectory, then any fork made from it
+            if not self.trajs[j].finished:
+                self.start_turn(j)
+
+    def retrieved(self, i: int, fut, started: float) -> None:
+        t = self.trajs[i]
+        self.stats.retrieve_s += time.perf_counter() - started
+        try:
+            r = self.turns.insert_retrieval(t, fut.result()[0])
+        except RetrievalFailed:
+            t.retrieval_errors += 1
+            r = None
+        if r is not None:
+            self.retrievals[i] = r
+        self.start_generation(i)
+
+    def generated(self, i: int, fut, started: float) -> None:
+        self.generating -= 1
+        if self.generating == 0:
+            self.stats.generate_s += time.perf_counter() - self.generating_since
+        self.stats.engine_calls += 1
+        call = self.turns.take_step(self.trajs[i], fut.result(), self.retrievals.pop(i, None))
+        if call is None:
+            return
+        tool, content = call
+        malformed = malformed_call_result(content)
+        if malformed is not None:
+            self.turns.append_tool_result(self.trajs[i], malformed)
+            self.after_tool(i)
+        else:
+            self.in_flight[self.turns.tools.submit(tool, content)] = ("tool", i, time.perf_counter())
+
+    def tool_done(self, i: int, fut, started: float) -> None:
+        res = fut.result()
+        self.stats.tool_s += res.elapsed_s
+        self.turns.append_tool_result(self.trajs[i], res)
+        self.after_tool(i)

@@ -163,39 +163,3 @@ class _BranchingRun(BranchingRollout):
 
     def refill(self, trajs: Sequence[Trajectory]) -> dict[str, int]:
         return {gid: n for gid, budget in self.budgets.items() if (n := budget.fill_with_full_samples()) > 0}
-
-
-def shared_prefix_token_owner(
-    parents: Sequence[int | None], branch_points: Sequence[int], lengths: Sequence[int]
-) -> list[list[tuple[int, int]]]:
-    """For each token (i, t), the physical token it is: ``(origin trajectory, t)``.
-
-    A branch j created from trajectory p at response position b copies p's tokens [0, b), so token (j, t)
-    with t < b is the same token as (p, t), recursively.
-
-    Args:
-        parents: parent index of each trajectory, None for a root (full sample).
-        branch_points: response position where each trajectory diverged from its parent (ignored for roots).
-        lengths: response length of each trajectory.
-    """
-    n = len(parents)
-    owner: list[list[tuple[int, int]]] = [[] for _ in range(n)]
-    resolved = [False] * n
-
-    def resolve(i: int, stack: tuple = ()):
-        if resolved[i]:
-            return
-        if i in stack:
-            raise ValueError(f"cycle in branch parents at trajectory {i}")
-        p = parents[i]
-        if p is not None:
-            resolve(p, stack + (i,))
-            b = branch_points[i]
-            if b > lengths[p] or b > lengths[i]:
-                raise ValueError(f"branch point {b} of trajectory {i} exceeds a length")
-        owner[i] = [owner[p][t] if (p is not None and t < branch_points[i]) else (i, t) for t in range(lengths[i])]
-        resolved[i] = True
-
-    for i in range(n):
-        resolve(i)
-    return owner

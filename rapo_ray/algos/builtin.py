@@ -33,6 +33,16 @@ def _rapo_reads_step_entropies(algo_cfg) -> bool:
     return algo_cfg.rapo.use_retrieval_reward
 
 
+def _rapo_describe(algo_cfg) -> str:
+    r = algo_cfg.rapo
+    return f"N_hybrid={r.n_hybrid}, m={r.shaping_weight}, a={r.advantage_weight}"
+
+
+def _arpo_describe(algo_cfg) -> str:
+    a = algo_cfg.arpo
+    return f"{a.initial_rollouts} full samples, beam {a.beam_size}, branch p {a.branch_prob}"
+
+
 def _rapo_rollout(algo_cfg) -> HybridRollout:
     r = algo_cfg.rapo
     return HybridRollout(r.n_hybrid, r.retrieve_prob, r.reward_retrieved_answers)
@@ -47,6 +57,7 @@ ARPO = register(
         rollout=_arpo_rollout,
         validate=_arpo_validate,
         config_section="arpo",
+        describe=_arpo_describe,
     )
 )
 RAPO = register(
@@ -58,5 +69,7 @@ RAPO = register(
         validate=_rapo_validate,
         config_section="rapo",
         reads_step_entropies=_rapo_reads_step_entropies,
+        outputs=("advantage", "retrieval_reward", "shaping"),
+        describe=_rapo_describe,
     )
 )

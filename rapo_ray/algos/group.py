@@ -2,8 +2,10 @@
 with the Eq. 8 shaping factor.
 
 Everything they compute is per group, so running one on all groups at once (the driver) or on each group
-separately (Ray Data ``map_groups``) gives the same numbers. Columns are plain lists so the input can be an
-Arrow table's ``to_pydict()`` (``TrajectoryBatch.advantage_inputs`` builds them).
+separately (Ray Data ``map_groups``) gives the same numbers. Columns are numpy arrays per row, and lists where
+rows differ in length (``TrajectoryBatch.advantage_inputs`` builds them; a Ray Data group hands the same shapes).
+Each returns ``row`` and the outputs its algorithm declares (``Algorithm.outputs``), each [B] aligned with the
+input.
 """
 
 from __future__ import annotations
@@ -41,14 +43,13 @@ def grpo_group_advantages(batch: dict, algo) -> dict:
         algo: ``AlgoConfig`` (``norm_adv_by_std``).
 
     Returns:
-        ``row``, ``advantage`` [B], ``retrieval_reward`` [B] (0) and ``shaping`` [B] (1), aligned with the input.
+        ``row`` and ``advantage`` [B], aligned with the input.
     """
     gids = list(batch["group_id"])
     adv = grpo_outcome_advantage(
         torch.tensor(batch["reward"], dtype=torch.float32), gids, norm_by_std=algo.norm_adv_by_std
     )
-    n = len(gids)
-    return {"row": list(batch["row"]), "advantage": adv.tolist(), "retrieval_reward": [0.0] * n, "shaping": [1.0] * n}
+    return {"row": list(batch["row"]), "advantage": adv.tolist()}
 
 
 def rapo_group_advantages(batch: dict, algo) -> dict:

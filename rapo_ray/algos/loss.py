@@ -151,31 +151,16 @@ def policy_loss(
     log_ratio = torch.where(mask > 0, logp - old_logp, torch.zeros_like(logp))
     ratio = torch.exp(log_ratio)
     shaped = ratio if shaping is None else shaping.to(logp.dtype)[:, None] * ratio
+    per_token, clipped, dual_clipped = clipped_surrogate(shaped, advantages, cfg)
 
-    unclipped = -advantages * shaped
-    clipped = -advantages * torch.clamp(shaped, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
-    per_token = torch.maximum(unclipped, clipped)
-    dual_clipped = torch.zeros_like(per_token, dtype=torch.bool)
-    if cfg.dual_clip is not None:
-        bound = -advantages * cfg.dual_clip
-        dual_clipped = (advantages < 0) & (per_token > bound)
-        per_token = torch.where(advantages < 0, torch.minimum(per_token, bound), per_token)
-
-    weight = None
+    weight = beyond = None
     if cfg.behaviour_correction != "none":
         if behaviour_logp is None or behaviour_logp.shape != logp.shape:
             raise ValueError(
                 f"behaviour_correction={cfg.behaviour_correction} needs behaviour_logp shaped like logp "
                 f"{tuple(logp.shape)}, got {None if behaviour_logp is None else tuple(behaviour_logp.shape)}"
             )
-        with torch.no_grad():
-            gap = torch.where(mask > 0, old_logp - behaviour_logp, torch.zeros_like(logp)).to(logp.dtype)
-            raw = torch.exp(gap.clamp(max=20.0))  # exp(20) is far above any cap: no overflow, same outcome
-            beyond = raw > cfg.behaviour_cap
-            if cfg.behaviour_correction == "truncate":
-                weight = raw.clamp(max=cfg.behaviour_cap)
-            else:
-                weight = torch.where(beyond, torch.zeros_like(raw), raw)
+        weight, beyond = behaviour_weight(old_logp, behaviour_logp, mask, cfg)
         per_token = per_token * weight
 
     kl_value = None
@@ -189,30 +174,101 @@ def policy_loss(
     per_token = per_token * mask
     if denominator is None:
         denominator = aggregation_denominator(loss_mask, cfg.agg_mode)
-    denominator = max(float(denominator), 1.0)
-    if cfg.agg_mode == "token-mean":
-        loss = per_token.sum() / denominator
-    elif cfg.agg_mode == "seq-mean-token-mean":
-        loss = (per_token.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)).sum() / denominator
-    else:  # seq-mean-token-sum
-        loss = per_token.sum(dim=-1).sum() / denominator
-
+    loss = aggregate(per_token, mask, denominator, cfg.agg_mode)
     with torch.no_grad():
-        n = mask.sum().clamp(min=1.0)
-        on = mask > 0
-        metrics = {
-            "clip_frac": float(((clipped > unclipped) & on).sum() / n),
-            "dual_clip_frac": float((dual_clipped & on).sum() / n),
-            # k3 estimate of KL(pi_old || pi) on loss tokens, the usual "approx_kl" of PPO logs.
-            "approx_kl": float(((ratio - 1.0 - log_ratio) * mask).sum() / n),
-            "ratio_mean": float((shaped * mask).sum() / n),
-            "ratio_max": float(shaped[on].max()) if bool(on.any()) else 1.0,
-            "ratio_min": float(shaped[on].min()) if bool(on.any()) else 1.0,
-            "loss_tokens": float(mask.sum()),
-        }
+        metrics = surrogate_metrics(mask, ratio, log_ratio, shaped, clipped, dual_clipped)
         if kl_value is not None:
-            metrics["kl_ref"] = float(kl_value.sum() / n)
+            metrics["kl_ref"] = float(kl_value.sum() / mask.sum().clamp(min=1.0))
         if weight is not None:
-            metrics["behaviour_weight_mean"] = float((weight * mask).sum() / n)
-            metrics["behaviour_capped_frac"] = float((beyond & on).sum() / n)
+            metrics.update(behaviour_metrics(mask, weight, beyond))
     return loss, metrics
+
+
+def clipped_surrogate(
+    shaped: torch.Tensor, advantages: torch.Tensor, cfg: PolicyLossConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO's pessimistic clipped objective per token, with the dual clip for negative advantages.
+
+    Args:
+        shaped: [B, T] the (shaped) ratio r_hat.
+        advantages: [B, T] token advantages.
+        cfg: clip_low / clip_high / dual_clip.
+
+    Returns:
+        (per_token loss [B, T], where the clipped term won [B, T] bool, where the dual clip bound [B, T] bool).
+    """
+    unclipped = -advantages * shaped
+    clipped = -advantages * torch.clamp(shaped, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    dual_clipped = torch.zeros_like(per_token, dtype=torch.bool)
+    if cfg.dual_clip is not None:
+        bound = -advantages * cfg.dual_clip
+        dual_clipped = (advantages < 0) & (per_token > bound)
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, bound), per_token)
+    return per_token, clipped > unclipped, dual_clipped
+
+
+def behaviour_weight(
+    old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, cfg: PolicyLossConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoupled objective's weight w = pi_old / pi_behaviour per token, truncated or masked at the cap; no
+    gradient flows through it.
+
+    Args:
+        old_logp, behaviour_logp: [B, T] log-probs under the proximal policy and under the engine that sampled.
+        mask: [B, T] float loss mask (w = 1 off the mask).
+        cfg: behaviour_correction (truncate | mask) and behaviour_cap.
+
+    Returns:
+        (w [B, T], where the raw weight exceeded the cap [B, T] bool).
+    """
+    with torch.no_grad():
+        gap = torch.where(mask > 0, old_logp - behaviour_logp, torch.zeros_like(mask)).to(mask.dtype)
+        raw = torch.exp(gap.clamp(max=20.0))  # exp(20) is far above any cap: no overflow, same outcome
+        beyond = raw > cfg.behaviour_cap
+        if cfg.behaviour_correction == "truncate":
+            return raw.clamp(max=cfg.behaviour_cap), beyond
+        return torch.where(beyond, torch.zeros_like(raw), raw), beyond
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, denominator: float, agg_mode: str) -> torch.Tensor:
+    """The scalar loss of masked per-token losses [B, T] under ``agg_mode``, divided by the global ``denominator``
+    (``aggregation_denominator`` summed over shards; at least 1)."""
+    denominator = max(float(denominator), 1.0)
+    if agg_mode == "token-mean":
+        return per_token.sum() / denominator
+    if agg_mode == "seq-mean-token-mean":
+        return (per_token.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)).sum() / denominator
+    return per_token.sum(dim=-1).sum() / denominator  # seq-mean-token-sum
+
+
+def surrogate_metrics(
+    mask: torch.Tensor,
+    ratio: torch.Tensor,
+    log_ratio: torch.Tensor,
+    shaped: torch.Tensor,
+    clipped: torch.Tensor,
+    dual_clipped: torch.Tensor,
+) -> dict[str, float]:
+    """The objective's per-token means over loss tokens (all tensors [B, T]): clip fractions, the k3 estimate of
+    KL(pi_old || pi) (PPO logs' "approx_kl") and the shaped ratio's range."""
+    n = mask.sum().clamp(min=1.0)
+    on = mask > 0
+    return {
+        "clip_frac": float((clipped & on).sum() / n),
+        "dual_clip_frac": float((dual_clipped & on).sum() / n),
+        "approx_kl": float(((ratio - 1.0 - log_ratio) * mask).sum() / n),
+        "ratio_mean": float((shaped * mask).sum() / n),
+        "ratio_max": float(shaped[on].max()) if bool(on.any()) else 1.0,
+        "ratio_min": float(shaped[on].min()) if bool(on.any()) else 1.0,
+        "loss_tokens": float(mask.sum()),
+    }
+
+
+def behaviour_metrics(mask: torch.Tensor, weight: torch.Tensor, beyond: torch.Tensor) -> dict[str, float]:
+    """The behaviour weight's mean and the fraction of loss tokens beyond its cap (tensors [B, T])."""
+    n = mask.sum().clamp(min=1.0)
+    return {
+        "behaviour_weight_mean": float((weight * mask).sum() / n),
+        "behaviour_capped_frac": float((beyond & (mask > 0)).sum() / n),
+    }

@@ -1,8 +1,13 @@
 """Algorithms by name. An algorithm is what differs between GRPO, ARPO and RAPO outside the shared PPO loss:
 
-- ``advantages(columns, algo_cfg) -> {"row", "advantage", "retrieval_reward", "shaping"}``: its group-wise
-  estimator over ``rapo_ray.algos.group.ADVANTAGE_INPUTS`` columns (whole groups; per group or all at once
-  give the same numbers, so it also runs per group in Ray Data);
+- ``advantages(columns, algo_cfg) -> {"row", *outputs}``: its group-wise estimator over
+  ``rapo_ray.algos.group.ADVANTAGE_INPUTS`` columns (whole groups; per group or all at once give the same numbers,
+  so it also runs per group in Ray Data);
+- ``outputs``: the names it returns, which go to the learners as the step batch's ``signal`` tensors
+  (``LearnerBatch.signal``) and into each step's parquet file. ``advantage`` is required; the loss also reads
+  ``shaping`` when present (RAPO). An output named in ``per_token`` is, for each row, a sequence over its response
+  tokens (a [B, T-1] tensor on the learners, where the loss takes it token by token); the others are one float a
+  row. A new output needs nothing outside the algorithm's module, and the loss if the loss is to read it;
 - ``rollout(algo_cfg) -> RolloutPolicy``: its training rollout (rapo_ray/algos/rollout.py): hybrid slots and
   retrieval (RAPO), branching (ARPO), or plain on-policy sampling; a run builds the retrieval service only
   when its ``hybrid_slots`` is > 0;
@@ -13,14 +18,19 @@
 - ``config_section``: its nested config (``algo.rapo``, ``algo.arpo``), documented in ``--help``;
 - ``reads_step_entropies(algo_cfg) -> bool``: whether its estimator reads the old policy's step entropies
   (``step_entropies``, from the learners' old-policy pass) before the update; an algorithm that does not lets the
-  trainer skip that pass where its log-probs equal the update's own (``rapo_ray/training/old_pass.py``).
+  trainer skip that pass where its log-probs equal the update's own (``rapo_ray/algos/old_pass.py``);
+- ``describe(algo_cfg) -> str``: its own settings in one phrase, for the run's resource plan (``--plan``).
 
 A new algorithm is one module (its estimator and hooks) and one ``register`` call; the built-in three are in
 rapo_ray/algos/builtin.py, which ``rapo_ray.algos`` imports, so the registry is full once the package is imported.
+A user's own module is named in ``algo.modules``: every process that looks an algorithm up (the driver, each rollout
+worker) goes through ``algorithm_of``, which imports those modules first, so the module's ``register`` call runs in
+each of them.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -44,6 +54,10 @@ def _reads_no_entropies(algo_cfg: Any) -> bool:
     return False
 
 
+def _no_settings(algo_cfg: Any) -> str:
+    return ""
+
+
 @dataclass(frozen=True)
 class Algorithm:
     name: str
@@ -52,7 +66,17 @@ class Algorithm:
     buffer_candidates: Callable[[Any, float], list] = _no_buffer
     validate: Callable[[Any], None] = _no_checks
     config_section: str | None = None
+    outputs: tuple[str, ...] = ("advantage",)
+    per_token: tuple[str, ...] = ()
     reads_step_entropies: Callable[[Any], bool] = _reads_no_entropies
+    describe: Callable[[Any], str] = _no_settings
+
+    def __post_init__(self):
+        if "advantage" not in self.outputs or not set(self.per_token) <= set(self.outputs):
+            raise ValueError(
+                f"algorithm {self.name!r}: outputs {self.outputs} must include 'advantage', and per_token "
+                f"{self.per_token} must be among them"
+            )
 
 
 _REGISTRY: dict[str, Algorithm] = {}
@@ -73,3 +97,19 @@ def get_algorithm(name: str) -> Algorithm:
     if name not in _REGISTRY:
         raise ConfigError(f"algo.name: {name!r} is not one of {sorted(_REGISTRY)} (rapo_ray.algos.registry)")
     return _REGISTRY[name]
+
+
+def import_algorithm_modules(modules) -> None:
+    """Import each of ``modules`` (``algo.modules``) in this process; importing one registers its algorithm. A
+    module imported before is not run again."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ConfigError(f"algo.modules: cannot import {module!r} ({exc})") from None
+
+
+def algorithm_of(algo_cfg: Any) -> Algorithm:
+    """The algorithm ``algo_cfg`` (the config's ``algo`` section) names, after importing its ``algo.modules``."""
+    import_algorithm_modules(algo_cfg.modules)
+    return get_algorithm(algo_cfg.name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from rapo_ray.algos.registry import algorithm_names, get_algorithm
+from rapo_ray.algos.registry import algorithm_of
 from rapo_ray.config.sections import (
     AlgoConfig,
     CheckpointConfig,
@@ -49,13 +49,10 @@ class Config:
     def validate(self) -> "Config":
         """Each section's own checks, the running algorithm's, then those across sections; raise ConfigError naming
         the field."""
-        require(
-            self.algo.name in algorithm_names(),
-            f"algo.name: {self.algo.name!r} is not one of {algorithm_names()} (rapo_ray.algos.registry)",
-        )
+        algorithm = algorithm_of(self.algo)  # an unknown name is refused there, with the registered ones
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate()
-        get_algorithm(self.algo.name).validate(self.algo)
+        algorithm.validate(self.algo)
         m, r, t = self.model, self.rollout, self.trainer
         require(
             bool(m.path) or r.max_response_tokens < m.max_position_embeddings,  # an HF model's own is checked at load

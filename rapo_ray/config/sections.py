@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass, field
 
+from rapo_ray.algos.loss import AGG_MODES, BEHAVIOUR_CORRECTIONS, KL_TYPES
 from rapo_ray.algos.lr_schedule import LR_SCHEDULES
 from rapo_ray.config.presets import BUNDLED_FAMILIES, MODEL_SIZES, PACKAGED_MODELS
 from rapo_ray.core.errors import ConfigError
@@ -238,6 +239,11 @@ class RolloutConfig:
         1, "Intra-op torch threads per rollout process (more than 1 oversubscribes small boxes, badly)."
     )
     vllm_kv_cache_gb: float = option(1.0, "vLLM KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE on CPU).")
+    vllm_max_num_seqs: int = option(
+        256,
+        "Most sequences vLLM decodes at once (its max_num_seqs). More than the KV cache holds makes it preempt and "
+        "recompute sequences as they grow.",
+    )
     vllm_block_size: int = option(32, "vLLM KV block size; 32 gives short multi-turn prompts prefix-cache hits on CPU.")
     vllm_enable_prefix_caching: bool = option(True, "Reuse KV of shared prefixes (the group's prompt).")
     vllm_gpu_memory_utilization: float = option(0.7, "Fraction of GPU memory vLLM may use (GPU only).")
@@ -246,6 +252,7 @@ class RolloutConfig:
     def validate(self) -> None:
         require(self.num_workers >= 1, f"rollout.num_workers ({self.num_workers}) must be >= 1")
         require(self.relay_min_workers >= 0, f"rollout.relay_min_workers ({self.relay_min_workers}) must be >= 0")
+        require(self.vllm_max_num_seqs >= 1, f"rollout.vllm_max_num_seqs ({self.vllm_max_num_seqs}) must be >= 1")
         require(
             self.simulated_token_ms >= 0 and 1 <= self.simulated_min_tokens <= self.simulated_max_tokens,
             f"rollout.simulated_token_ms ({self.simulated_token_ms}) must be >= 0 and 1 <= rollout.simulated_min_tokens "
@@ -422,6 +429,11 @@ class ArpoConfig:
 @dataclass
 class AlgoConfig:
     name: str = option("rapo", "Algorithm, by its name in rapo_ray.algos.registry (built in: grpo, arpo, rapo).")
+    modules: list = option(
+        [],
+        "Python modules that register algorithms of your own (rapo_ray.algos.registry.register), e.g. "
+        "[my_pkg.my_algo]; imported in the driver and in every actor that looks the algorithm up.",
+    )
     group_size: int = option(16, "Rollouts per prompt G (paper: 16).")
     clip_low: float = option(0.28, "Lower clip: ratio >= 1 - clip_low (paper: 0.28).")
     clip_high: float = option(0.28, "Upper clip: ratio <= 1 + clip_high (paper: 0.28).")
@@ -432,10 +444,8 @@ class AlgoConfig:
         "the starting model on each learner rank). The paper uses 0; without it RL on the bundled "
         "3-step tasks unlearned the warm start's third search (docs/RESULTS.md, Algorithms).",
     )
-    kl_type: str = option("k3", "KL estimator.", ("k1", "k3"))
-    loss_agg_mode: str = option(
-        "token-mean", "Loss aggregation.", ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-    )
+    kl_type: str = option("k3", "KL estimator.", KL_TYPES)
+    loss_agg_mode: str = option("token-mean", "Loss aggregation.", AGG_MODES)
     norm_adv_by_std: bool = option(True, "Divide GRPO advantages by the group std (False: Dr. GRPO).")
     max_staleness: int = option(
         0,
@@ -448,7 +458,7 @@ class AlgoConfig:
         "Weight each token's surrogate by pi_old / pi_engine (the decoupled objective; it corrects a stale or "
         "numerically different engine, e.g. bf16 vLLM against the fp32 learner): truncate (min(w, behaviour_cap), "
         "truncated importance sampling), mask (tokens with w > behaviour_cap get no gradient) or none.",
-        ("none", "truncate", "mask"),
+        BEHAVIOUR_CORRECTIONS,
     )
     behaviour_cap: float = option(2.0, "The cap of algo.behaviour_correction's weight (> 1).")
     rapo: RapoConfig = field(
@@ -543,7 +553,7 @@ class LearnerConfig:
         "in one mini-batch, on-policy (algo.max_staleness 0), the default learner feed, and an algorithm whose "
         "estimator reads no old-policy entropies (RAPO's retrieval reward does). The update then takes pi_old as "
         "its own log-probs, detached (ratio 1, the same loss and gradients), and returns them and the entropies for "
-        "the step's metrics (rapo_ray/training/old_pass.py; update/old_pass_skipped). TRL skips it alike.",
+        "the step's metrics (rapo_ray/algos/old_pass.py; update/old_pass_skipped). TRL skips it alike.",
     )
     grad_clip: float = option(1.0, "Max global gradient norm.")
     bf16: bool = option(

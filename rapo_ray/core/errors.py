@@ -19,6 +19,14 @@ def brief(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
+def require_filled(owner, names, stages: str) -> None:
+    """Raise if fields ``names`` of batch ``owner`` are still None: a stage that must have run has not (one called
+    out of order); ``stages`` says which stage fills what."""
+    missing = [n for n in names if getattr(owner, n) is None]
+    if missing:
+        raise ValueError(f"{type(owner).__name__}: {missing} not filled yet ({stages})")
+
+
 class ConfigError(ValueError):
     """A configuration problem; the message names the offending key or file."""
 

@@ -21,6 +21,12 @@ REDUCERS = {"sum": math.fsum, "mean": lambda xs: math.fsum(xs) / len(xs), "max":
 REDUCTIONS = tuple(REDUCERS)
 
 
+def mean_or_zero(xs) -> float:
+    """The mean of an iterable of numbers; 0.0 when it is empty (a step with no hybrid slot, no retrieval, ...)."""
+    xs = list(xs)
+    return float(sum(xs) / len(xs)) if xs else 0.0
+
+
 def actor_stats(values: dict[str, float], reduce: dict[str, str] | None = None) -> dict[str, tuple[float, str]]:
     """One actor's numbers for one call, to send to the driver: ``{key: (value, rule)}``.
 

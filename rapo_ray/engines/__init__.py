@@ -51,6 +51,7 @@ def make_engine(
             logprobs_topk=rollout_cfg.vllm_logprobs_topk,
             seed=seed,
             threads=rollout_cfg.threads_per_worker,
+            max_num_seqs=rollout_cfg.vllm_max_num_seqs,
         )
 
     if name == "simulated":

@@ -353,11 +353,26 @@ def evaluate_starting_policy(cfg: Config, trainer, model_dir: Path, log=print) -
 # ---------------------------------------------------------------- the launcher: the whole topology
 
 
+@dataclass
+class RunParts:
+    """What a run has started so far, for its stages and for the clean-up at its end (``close_run``)."""
+
+    run_dir: RunDir
+    startup: StageTimer  # wall seconds per start-up stage: logged before the first step, kept in summary.json
+    metrics: MetricsLog | None = None
+    retrieval: RetrievalService | None = None
+    learners: LearnerGroup | None = None  # started before the trainer exists; the trainer's once it does
+    trainer: Trainer | None = None
+    model_dir: Path | None = None
+    tasks: tuple | None = None  # (RL questions per family, held-out tasks): the buffer's and the trainer's
+    failures: int = 0  # learner losses survived
+
+
 def run(cfg: Config, log=print, process_started_at: float | None = None) -> dict:
     """Warm start -> buffer -> retrieval service -> learners + fleet -> train -> evaluate. Returns the summary.
     ``process_started_at``: the process's start (epoch seconds), when the caller is the job's own process: its
     imports then count into the start-up's timing."""
-    startup = StageTimer()  # wall seconds per start-up stage: logged before the first step, kept in summary.json
+    startup = StageTimer()
     if process_started_at is not None:
         startup.add("python and imports", time.time() - process_started_at)
     set_torch_threads(1)
@@ -369,6 +384,32 @@ def run(cfg: Config, log=print, process_started_at: float | None = None) -> dict
     # this run connects to Ray (or starts it) and so disconnects at its end, in the main thread, also as a submitted
     # job's driver on a cluster (whose Ray stays up); a caller that had Ray initialized keeps it
     owns_ray = not ray.is_initialized()
+    started_local_ray = connect_ray(cfg, startup, owns_ray, log)
+    if not cfg.checkpoint.resume:
+        run_dir.create(cfg)
+    log(f"run directory: {run_dir.path}")
+    parts = RunParts(run_dir, startup)
+    frozen = False
+    try:
+        parts.metrics = MetricsLog(run_dir.path, cfg, log)
+        start_run_parts(cfg, parts, log)
+        before, before_problems = held_out_before(cfg, parts, resume, log)
+        log(startup.line("start-up"))
+        # What start-up made lives for the run: frozen, the garbage collector's full passes (one every few steps, as
+        # every worker's trajectories arrive) no longer walk it
+        gc.freeze()
+        frozen = True
+        train_steps(cfg, parts, log)
+        return finish_run(cfg, parts, before, before_problems, log)
+    finally:
+        if frozen:  # back to the collector for a caller that goes on (a notebook, a sweep, the tests)
+            gc.unfreeze()
+        close_run(parts, owns_ray, local_ray_ending=owns_ray and started_local_ray)
+
+
+def connect_ray(cfg: Config, startup: StageTimer, owns_ray: bool, log=print) -> bool:
+    """Ray up (local on 127.0.0.1, or the cluster) and able to host the run; True when this call started a local
+    Ray. A run that cannot be hosted disconnects again (when it connected) and raises."""
     try:
         with startup.stage("ray"):
             started_local_ray = init_ray(cfg)
@@ -377,129 +418,145 @@ def run(cfg: Config, log=print, process_started_at: float | None = None) -> dict
         if owns_ray and ray.is_initialized():
             ray.shutdown()
         raise
-    if not cfg.checkpoint.resume:
-        run_dir.create(cfg)
-    log(f"run directory: {run_dir.path}")
-    retrieval = trainer = metrics = learners = None
-    frozen = False
-    try:
-        metrics = MetricsLog(run_dir.path, cfg, log)
-        # 1. starting policy, 2. RAPO's buffer behind Serve, 3. learners + fleet + weight sync
-        with startup.stage("starting policy"):
-            model_dir = starting_policy(cfg, log)
-        log(f"starting policy: {model_dir}")
-        tasks = rl_task_pool(cfg)  # (RL questions per family, held-out tasks): the buffer's and the trainer's
-        # the learner ranks start (imports, model, optimizer: a core's worth of work for several seconds each)
-        # while the buffer is checked and Serve deploys, which leave the other cores idle; where a build of the buffer
-        # would not fit beside them, the trainer starts them after it
-        if learners_start_before_buffer(cfg, ray.available_resources().get("CPU", 0.0)):
-            with startup.stage("learner group start"):
-                learners = LearnerGroup(cfg, model_dir, wait=False)
-        with startup.stage("buffer and retrieval deploy"):
-            retrieval = RetrievalService(cfg, model_dir, buffer_questions(cfg, tasks[0]), log)
-        # the rollout fleet starts while the replica does
-        trainer = Trainer(cfg, model_dir, run_dir.checkpoints, retrieval.app, tasks, learners)
-        learners = None  # the trainer's now
-        for stage, seconds in trainer.startup.seconds.items():
-            startup.add(stage, seconds)
-        with startup.stage("retrieval replicas ready"):
-            retrieval.wait_ready()
-        before_path = run_dir.path / "eval_before.json"
-        if resume is not None:
-            trainer.load(resume)
-            metrics.rewind(trainer.step_idx)
-            log(f"resumed from {resume} at step {trainer.step_idx}")
-            saved = json.loads(before_path.read_text()) if before_path.is_file() else {}
-            before_problems = saved.pop("problems", {})
-            before = saved
-        else:
-            with startup.stage("first weight push"):
-                trainer.sync_weights()
-            with startup.stage("held-out before"):
-                before, before_problems = evaluate_starting_policy(cfg, trainer, model_dir, log)
-            write_json_atomic(before_path, {**before, "problems": before_problems})
-            metrics.log({"step": 0, **before})  # the held-out curve's first point (kept by a resume's rewind)
-            log("held-out before training: " + fmt_eval(before))
-        log(startup.line("start-up"))
-        # 4. train; a lost learner (node loss) rebuilds the learners and fleet from the last checkpoint.
-        # What start-up made lives for the run: frozen, the garbage collector's full passes (one every few steps, as
-        # every worker's trajectories arrive) no longer walk it
-        gc.freeze()
-        frozen = True
-        failures = 0
-        progress = Progress(cfg.run.progress, cfg.trainer.total_steps, trainer.step_idx, cfg.algo.name, log)
-        while trainer.step_idx < cfg.trainer.total_steps:
-            try:
-                m = trainer.step(run_dir.trajectories)
-                metrics.log(m)
-                step = trainer.step_idx
-                if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step < cfg.trainer.total_steps:
-                    ev = trainer.evaluate().metrics
-                    metrics.log({"step": step, **ev})
-                    m.update(ev)
-                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-                    trainer.save()
-            except LearnerLost as exc:
-                failures += 1
-                latest = run_dir.latest_checkpoint(log)
-                log(f"step {trainer.step_idx + 1} stopped: {exc}; failure {failures}/{cfg.trainer.max_failures}")
-                trainer.shutdown(graceful=False)
-                trainer = None
-                if failures > cfg.trainer.max_failures:
-                    raise RuntimeError(
-                        f"{exc}; gave up after {cfg.trainer.max_failures} rebuilds (trainer.max_failures). The last "
-                        f"checkpoint is {latest}; continue with checkpoint.resume={run_dir.path}"
-                    ) from None
-                trainer = Trainer(
-                    cfg, model_dir, run_dir.checkpoints, retrieval.app, tasks
-                )  # waits for resources to return
-                if latest is not None:
-                    trainer.load(latest)
-                else:
-                    trainer.sync_weights()
-                metrics.rewind(trainer.step_idx)
-                log(
-                    f"rebuilt the learners and fleet; resumed at step {trainer.step_idx} from {latest or 'the starting policy'}"
-                )
-                continue
-            progress.update(m)
-        progress.close()
-        # 5. held-out after training, final checkpoint, summary
-        final = trainer.evaluate()
-        after = final.metrics
-        metrics.log({"step": trainer.step_idx, **after})
-        write_json_atomic(run_dir.path / "eval_after.json", {**after, "problems": final.problems})
-        ck = trainer.save()
-        change = paired_changes(before_problems, final.problems)
-        summary = {
-            "run_dir": str(run_dir.path),
-            "checkpoint": str(ck),
-            "steps": trainer.step_idx,
-            "learner_failures": failures,
-            # trajectories per policy-version lag at their update (algo.max_staleness); all 0 when synchronous
-            "staleness_lags": {str(lag): n for lag, n in sorted(trainer.lag_counts.items())},
-            "before": before,
-            "after": after,
-            "paired_change": change,
-            "mean_step_s": metrics.mean("step_s"),
-            "startup_s": {stage: round(s, 2) for stage, s in startup.seconds.items()},
-            "machine": machine_record(),
-        }
-        write_json_atomic(run_dir.path / "summary.json", summary)  # its presence marks a finished run
-        plot_curves(run_dir.path, metrics.history)
-        log("held-out after training:  " + fmt_eval(after))
-        log(before_after_table(before, after, change))
-        return summary
-    finally:
-        if frozen:  # back to the collector for a caller that goes on (a notebook, a sweep, the tests)
-            gc.unfreeze()
-        if trainer is not None:
-            trainer.shutdown()
-        elif learners is not None:  # started, but the run stopped before its trainer took them
-            learners.shutdown(graceful=False)
-        if retrieval is not None:
-            retrieval.close(local_ray_ending=owns_ray and started_local_ray)
-        if metrics is not None:
-            metrics.close()
-        if owns_ray:
-            ray.shutdown()
+    return started_local_ray
+
+
+def start_run_parts(cfg: Config, parts: RunParts, log=print) -> None:
+    """1. the starting policy, 2. RAPO's buffer behind Serve, 3. the learners, the fleet and the weight sync."""
+    startup = parts.startup
+    with startup.stage("starting policy"):
+        parts.model_dir = starting_policy(cfg, log)
+    log(f"starting policy: {parts.model_dir}")
+    parts.tasks = rl_task_pool(cfg)
+    # the learner ranks start (imports, model, optimizer: a core's worth of work for several seconds each)
+    # while the buffer is checked and Serve deploys, which leave the other cores idle; where a build of the buffer
+    # would not fit beside them, the trainer starts them after it
+    if learners_start_before_buffer(cfg, ray.available_resources().get("CPU", 0.0)):
+        with startup.stage("learner group start"):
+            parts.learners = LearnerGroup(cfg, parts.model_dir, wait=False)
+    with startup.stage("buffer and retrieval deploy"):
+        parts.retrieval = RetrievalService(cfg, parts.model_dir, buffer_questions(cfg, parts.tasks[0]), log)
+    # the rollout fleet starts while the replica does
+    parts.trainer = Trainer(
+        cfg, parts.model_dir, parts.run_dir.checkpoints, parts.retrieval.app, parts.tasks, parts.learners
+    )
+    parts.learners = None  # the trainer's now
+    for stage, seconds in parts.trainer.startup.seconds.items():
+        startup.add(stage, seconds)
+    with startup.stage("retrieval replicas ready"):
+        parts.retrieval.wait_ready()
+
+
+def held_out_before(cfg: Config, parts: RunParts, resume: Path | None, log=print) -> tuple[dict, dict]:
+    """The starting policy's held-out (metrics, problem id -> solved), saved in the run directory; a resume loads
+    its checkpoint and reads them back instead."""
+    trainer, metrics = parts.trainer, parts.metrics
+    before_path = parts.run_dir.path / "eval_before.json"
+    if resume is not None:
+        trainer.load(resume)
+        metrics.rewind(trainer.step_idx)
+        log(f"resumed from {resume} at step {trainer.step_idx}")
+        saved = json.loads(before_path.read_text()) if before_path.is_file() else {}
+        before_problems = saved.pop("problems", {})
+        return saved, before_problems
+    with parts.startup.stage("first weight push"):
+        trainer.sync_weights()
+    with parts.startup.stage("held-out before"):
+        before, before_problems = evaluate_starting_policy(cfg, trainer, parts.model_dir, log)
+    write_json_atomic(before_path, {**before, "problems": before_problems})
+    metrics.log({"step": 0, **before})  # the held-out curve's first point (kept by a resume's rewind)
+    log("held-out before training: " + fmt_eval(before))
+    return before, before_problems
+
+
+def train_steps(cfg: Config, parts: RunParts, log=print) -> None:
+    """4. RL steps to trainer.total_steps, with the held-out curve and checkpoints on their schedules; a lost
+    learner (node loss) rebuilds the learners and fleet from the last checkpoint (``rebuild_after_loss``)."""
+    progress = Progress(cfg.run.progress, cfg.trainer.total_steps, parts.trainer.step_idx, cfg.algo.name, log)
+    while parts.trainer.step_idx < cfg.trainer.total_steps:
+        trainer = parts.trainer
+        try:
+            m = trainer.step(parts.run_dir.trajectories)
+            parts.metrics.log(m)
+            step = trainer.step_idx
+            if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step < cfg.trainer.total_steps:
+                ev = trainer.evaluate().metrics
+                parts.metrics.log({"step": step, **ev})
+                m.update(ev)
+            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                trainer.save()
+        except LearnerLost as exc:
+            rebuild_after_loss(cfg, parts, exc, log)
+            continue
+        progress.update(m)
+    progress.close()
+
+
+def rebuild_after_loss(cfg: Config, parts: RunParts, exc: LearnerLost, log=print) -> None:
+    """A new trainer (learners and fleet) in place of one that lost a learner, at the last checkpoint or the
+    starting policy; past trainer.max_failures, the run stops and names the checkpoint to resume from."""
+    run_dir = parts.run_dir
+    parts.failures += 1
+    latest = run_dir.latest_checkpoint(log)
+    log(f"step {parts.trainer.step_idx + 1} stopped: {exc}; failure {parts.failures}/{cfg.trainer.max_failures}")
+    parts.trainer.shutdown(graceful=False)
+    parts.trainer = None
+    if parts.failures > cfg.trainer.max_failures:
+        raise RuntimeError(
+            f"{exc}; gave up after {cfg.trainer.max_failures} rebuilds (trainer.max_failures). The last "
+            f"checkpoint is {latest}; continue with checkpoint.resume={run_dir.path}"
+        ) from None
+    # waits for resources to return
+    parts.trainer = Trainer(cfg, parts.model_dir, run_dir.checkpoints, parts.retrieval.app, parts.tasks)
+    if latest is not None:
+        parts.trainer.load(latest)
+    else:
+        parts.trainer.sync_weights()
+    parts.metrics.rewind(parts.trainer.step_idx)
+    log(
+        f"rebuilt the learners and fleet; resumed at step {parts.trainer.step_idx} from {latest or 'the starting policy'}"
+    )
+
+
+def finish_run(cfg: Config, parts: RunParts, before: dict, before_problems: dict, log=print) -> dict:
+    """5. held-out after training, the final checkpoint and summary.json (whose presence marks a finished run)."""
+    trainer, metrics, run_dir = parts.trainer, parts.metrics, parts.run_dir
+    final = trainer.evaluate()
+    after = final.metrics
+    metrics.log({"step": trainer.step_idx, **after})
+    write_json_atomic(run_dir.path / "eval_after.json", {**after, "problems": final.problems})
+    ck = trainer.save()
+    change = paired_changes(before_problems, final.problems)
+    summary = {
+        "run_dir": str(run_dir.path),
+        "checkpoint": str(ck),
+        "steps": trainer.step_idx,
+        "learner_failures": parts.failures,
+        # trajectories per policy-version lag at their update (algo.max_staleness); all 0 when synchronous
+        "staleness_lags": {str(lag): n for lag, n in sorted(trainer.lag_counts.items())},
+        "before": before,
+        "after": after,
+        "paired_change": change,
+        "mean_step_s": metrics.mean("step_s"),
+        "startup_s": {stage: round(s, 2) for stage, s in parts.startup.seconds.items()},
+        "machine": machine_record(),
+    }
+    write_json_atomic(run_dir.path / "summary.json", summary)
+    plot_curves(run_dir.path, metrics.history)
+    log("held-out after training:  " + fmt_eval(after))
+    log(before_after_table(before, after, change))
+    return summary
+
+
+def close_run(parts: RunParts, owns_ray: bool, local_ray_ending: bool) -> None:
+    """Stop what the run started, newest first, and disconnect from Ray when the run connected."""
+    if parts.trainer is not None:
+        parts.trainer.shutdown()
+    elif parts.learners is not None:  # started, but the run stopped before its trainer took them
+        parts.learners.shutdown(graceful=False)
+    if parts.retrieval is not None:
+        parts.retrieval.close(local_ray_ending=local_ray_ending)
+    if parts.metrics is not None:
+        parts.metrics.close()
+    if owns_ray:
+        ray.shutdown()

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from rapo_ray.algos.registry import get_algorithm
+from rapo_ray.algos.registry import algorithm_of
 from rapo_ray.config import Config
 from rapo_ray.core.errors import ConfigError
 from rapo_ray.pipelines.buffer import BUILD_CPUS
@@ -35,7 +35,7 @@ class ResourceNeeds:
 
 def hybrid_slots(cfg: Config) -> int:
     """Slots per group the algorithm fills from RAPO's buffer (0: it retrieves nothing, so no buffer and no Serve)."""
-    return get_algorithm(cfg.algo.name).rollout(cfg.algo).hybrid_slots
+    return algorithm_of(cfg.algo).rollout(cfg.algo).hybrid_slots
 
 
 def resource_needs(cfg: Config) -> ResourceNeeds:
@@ -103,12 +103,12 @@ def model_name(cfg: Config) -> str:
 
 def resource_plan(cfg: Config) -> str:
     rc, lc, ro, a = cfg.resources, cfg.learner, cfg.rollout, cfg.algo
-    n_hybrid = hybrid_slots(cfg)
     need = resource_needs(cfg)
+    own = algorithm_of(a).describe(a)  # the algorithm's own settings (RAPO: hybrid slots, m, a)
     lines = [
-        f"algorithm: {a.name} (G={a.group_size}, N_hybrid={n_hybrid}, clip {a.clip_low}/{a.clip_high}, "
-        + (f"m={a.rapo.shaping_weight}, a={a.rapo.advantage_weight}, " if n_hybrid else "")
-        + f"KL {a.kl_coef})",
+        f"algorithm: {a.name} (G={a.group_size}, "
+        + (f"{own}, " if own else "")
+        + f"clip {a.clip_low}/{a.clip_high}, KL {a.kl_coef})",
         f"model: {model_name(cfg)} ({cfg.model.dtype}"
         + (", bf16 mixed precision on GPU (fp32 master weights)" if lc.bf16 else "")
         + (", gradient checkpointing" if lc.gradient_checkpointing else "")
@@ -124,7 +124,7 @@ def resource_plan(cfg: Config) -> str:
         f"  retrieval:       Serve StepRetriever {cfg.retrieval.min_replicas}..{cfg.retrieval.max_replicas} replicas "
         f"({cfg.retrieval.num_gpus:g} GPU each) over Milvus "
         f"{cfg.retrieval.milvus_uri or '(embedded milvus-lite server)'}"
-        if n_hybrid
+        if hybrid_slots(cfg)
         else "  retrieval:       none",
         f"  total at start:  {need.cpus_start:g} CPU, {need.gpus_start:g} GPU; "
         f"at most {need.cpus_max:g} CPU, {need.gpus_max:g} GPU",

@@ -399,59 +399,15 @@ def build_buffer(cfg, model_dir: str, uri: str, tasks: list, manifest: Path, log
     store = MilvusStepStore(uri, collection, DIM, token=cfg.retrieval.milvus_token)
     report = BufferReport(len(tasks), 0, 0, 0, len(tasks) - len(todo), 0.0)
     # a sibling's stored keys keep their last KEY_CHARS characters: enough only where the encoder reads no more
-    reusable = todo and cfg.retrieval.query_max_chars <= KEY_CHARS
-    sibling = sibling_buffer(manifest, fingerprint) if reusable else None
-    if sibling is not None:
-        name, finished = sibling
-        copied = [t.id for t in todo if t.id in finished]
-        if copied:
-            steps = _reindex(cfg, uri, name, copied, store)
-            report.steps += len(steps)
-            report.tokens += sum(len(s.value_ids) for s in steps)
-            report.reindexed = len(copied)
-            done.update(copied)
-            _write_manifest(manifest, done, fingerprint)
-            todo = [t for t in todo if t.id not in finished]
-            log(
-                f"step-trace buffer: {len(steps)} steps of {len(copied)} questions taken from {name!r} (the same "
-                f"sampled steps, keys embedded by {cfg.retrieval.embedder}; nothing sampled for them)"
-            )
+    if todo and cfg.retrieval.query_max_chars <= KEY_CHARS:
+        todo = _take_from_sibling(cfg, uri, todo, store, manifest, fingerprint, done, report, log)
     if todo:
-        source = buffer_source(cfg)
         log(
-            f"step-trace buffer: sampling {len(todo)} questions x {cfg.retrieval.buffer_samples_per_question} ({source})"
-        )
-        items = [
-            {"id": t.id, "question": t.question, "answers": json.dumps(list(t.answers)), "kind": t.kind} for t in todo
-        ]
-        # Ray Data's memory advice targets pools of many workers; this pool is one sampler sized like a rollout
-        # worker, and the advice repeated every 30 s would fill the user's console for the whole build
-        detectors = ray.data.DataContext.get_current().issue_detectors_config
-        detectors.high_memory_detector_config.detection_time_interval_s = -1
-        ds = ray.data.from_items(items, override_num_blocks=max(1, len(items) // 64))
-        ds = ds.map_batches(
-            SAMPLERS[source],
-            fn_constructor_args=(model_dir, to_dict(cfg), cfg.trainer.sft_seed),
-            batch_size=cfg.retrieval.buffer_sampler_batch if source == "policy" else 32,
-            compute=ray.data.ActorPoolStrategy(size=1),
-            num_cpus=BUILD_ACTOR_CPUS,
-            batch_format="numpy",
-        )
-        ds = ds.map_batches(
-            EmbedStep,
-            fn_constructor_args=(
-                cfg.retrieval.embedder,
-                prepare_backend(cfg.retrieval.embedder, cfg.run.artifacts_dir, cfg.retrieval.pooling),
-                cfg.retrieval.pooling,
-                cfg.retrieval.query_max_chars,
-            ),
-            batch_size=256,
-            compute=ray.data.ActorPoolStrategy(size=1),
-            num_cpus=BUILD_ACTOR_CPUS,
-            batch_format="numpy",
+            f"step-trace buffer: sampling {len(todo)} questions x {cfg.retrieval.buffer_samples_per_question} "
+            f"({buffer_source(cfg)})"
         )
         trajectories: set[str] = set()
-        for batch in ds.iter_batches(batch_size=512, batch_format="numpy"):
+        for batch in _sampled_steps(cfg, model_dir, todo).iter_batches(batch_size=512, batch_format="numpy"):
             steps, vectors = _rows_to_steps(batch)
             store.upsert(steps, vectors)  # the datasink: idempotent upsert by content hash
             report.steps += len(steps)
@@ -469,3 +425,59 @@ def build_buffer(cfg, model_dir: str, uri: str, tasks: list, manifest: Path, log
         f"{report.skipped_questions} questions already done) in {report.seconds:.0f} s"
     )
     return report
+
+
+def _take_from_sibling(cfg, uri, todo: list, store, manifest: Path, fingerprint: dict, done: set, report, log) -> list:
+    """Copy the steps of ``todo``'s questions that a sibling buffer (same samples, another embedder) finished,
+    re-embedding their keys; returns the questions still to sample."""
+    sibling = sibling_buffer(manifest, fingerprint)
+    if sibling is None:
+        return todo
+    name, finished = sibling
+    copied = [t.id for t in todo if t.id in finished]
+    if not copied:
+        return todo
+    steps = _reindex(cfg, uri, name, copied, store)
+    report.steps += len(steps)
+    report.tokens += sum(len(s.value_ids) for s in steps)
+    report.reindexed = len(copied)
+    done.update(copied)
+    _write_manifest(manifest, done, fingerprint)
+    log(
+        f"step-trace buffer: {len(steps)} steps of {len(copied)} questions taken from {name!r} (the same "
+        f"sampled steps, keys embedded by {cfg.retrieval.embedder}; nothing sampled for them)"
+    )
+    return [t for t in todo if t.id not in finished]
+
+
+def _sampled_steps(cfg, model_dir: str, todo: list) -> ray.data.Dataset:
+    """The Ray Data pipeline of a build: ``todo``'s questions -> the sampler (policy rollouts or the scripted
+    expert) -> split into steps -> embedded keys; one actor each."""
+    source = buffer_source(cfg)
+    items = [{"id": t.id, "question": t.question, "answers": json.dumps(list(t.answers)), "kind": t.kind} for t in todo]
+    # Ray Data's memory advice targets pools of many workers; this pool is one sampler sized like a rollout
+    # worker, and the advice repeated every 30 s would fill the user's console for the whole build
+    detectors = ray.data.DataContext.get_current().issue_detectors_config
+    detectors.high_memory_detector_config.detection_time_interval_s = -1
+    ds = ray.data.from_items(items, override_num_blocks=max(1, len(items) // 64))
+    ds = ds.map_batches(
+        SAMPLERS[source],
+        fn_constructor_args=(model_dir, to_dict(cfg), cfg.trainer.sft_seed),
+        batch_size=cfg.retrieval.buffer_sampler_batch if source == "policy" else 32,
+        compute=ray.data.ActorPoolStrategy(size=1),
+        num_cpus=BUILD_ACTOR_CPUS,
+        batch_format="numpy",
+    )
+    return ds.map_batches(
+        EmbedStep,
+        fn_constructor_args=(
+            cfg.retrieval.embedder,
+            prepare_backend(cfg.retrieval.embedder, cfg.run.artifacts_dir, cfg.retrieval.pooling),
+            cfg.retrieval.pooling,
+            cfg.retrieval.query_max_chars,
+        ),
+        batch_size=256,
+        compute=ray.data.ActorPoolStrategy(size=1),
+        num_cpus=BUILD_ACTOR_CPUS,
+        batch_format="numpy",
+    )

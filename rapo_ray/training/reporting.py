@@ -10,6 +10,7 @@ import torch
 
 from rapo_ray.agent.evaluation import paired_change
 from rapo_ray.config import Config
+from rapo_ray.core.metrics import mean_or_zero
 from rapo_ray.envs.suite import family_of
 from rapo_ray.training.dynamic_sampling import groups_with_signal
 from rapo_ray.training.sinks import make_sinks, numeric
@@ -38,16 +39,19 @@ def step_metrics(
         "trajectories": len(trajs),
         "groups": len(set(batch.group_ids())),
         "groups_with_signal": len(groups_with_signal(batch)),  # rewards not all equal: a non-zero outcome advantage
-        "reward": _mean(t.reward for t in trajs),
-        "accuracy": _mean(float(t.correct) for t in trajs),
-        "format_valid": _mean(float(t.format_ok) for t in trajs),
-        "hybrid_reward": _mean(t.reward for t in trajs if t.slot_kind == HYBRID),
-        "on_policy_reward": _mean(t.reward for t in trajs if t.slot_kind != HYBRID),
+        "reward": mean_or_zero(t.reward for t in trajs),
+        "accuracy": mean_or_zero(float(t.correct) for t in trajs),
+        "format_valid": mean_or_zero(float(t.format_ok) for t in trajs),
+        "hybrid_reward": mean_or_zero(t.reward for t in trajs if t.slot_kind == HYBRID),
+        "on_policy_reward": mean_or_zero(t.reward for t in trajs if t.slot_kind != HYBRID),
         **{k: seconds[k] for k in ("rollout_s", "old_logprob_s", "update_s", "sync_s")},
         "generate_s": rollout_stats["generate_s"],
         "tool_s": rollout_stats["tool_s"],
         "retrieve_s": rollout_stats["retrieve_s"],
         "slowest_chunk_s": rollout_stats.get("slowest_chunk_s", 0.0),  # the straggler that rollout_s waited for
+        # the fleet's process CPU seconds in the rollout (engines and agent loops); the learners' are update/cpu_s
+        # and update/old_pass_cpu_s: on a shared box the phases' CPU, unlike their wall times, does not overlap
+        "rollout_cpu_s": rollout_stats.get("cpu_s", 0.0),
         "rollout_tokens": sum(len(t.response_ids) for t in trajs),
         "generated_tokens": gen_tokens,
         "tool_calls": sum(t.tool_calls for t in trajs),
@@ -55,9 +59,11 @@ def step_metrics(
         "retrieval_fallbacks": sum(t.retrieval_fallbacks for t in trajs),
         "retrieval_errors": sum(t.retrieval_errors for t in trajs),
         "retrieved_answers": sum(t.answer_retrieved for t in trajs),  # see algo.rapo.reward_retrieved_answers
-        "retrieved_token_fraction": _mean(t.retrieved_fraction for t in trajs),
-        "entropy": _mean(ent_means),
-        "retrieval_reward": _mean(z for t, z in zip(trajs, batch.retrieval_reward) if t.num_retrievals),
+        "retrieved_token_fraction": mean_or_zero(t.retrieved_fraction for t in trajs),
+        "entropy": mean_or_zero(ent_means),
+        "retrieval_reward": mean_or_zero(
+            float(z) for t, z in zip(trajs, batch.learner.signal.get("retrieval_reward", ())) if t.num_retrievals
+        ),
         "advantages_s": seconds["advantages_s"],
         "requeued_groups": rollout_stats["requeued_groups"],
         "replaced_workers": rollout_stats["replaced_workers"],
@@ -155,7 +161,7 @@ class MetricsLog:
         return len(later)
 
     def mean(self, key: str) -> float:
-        return _mean(m[key] for m in self.history if key in m)
+        return mean_or_zero(m[key] for m in self.history if key in m)
 
     def close(self) -> None:
         for sink in self.sinks:
@@ -267,8 +273,3 @@ def plot_curves(path: Path, history: list[dict]) -> None:
     fig.tight_layout()
     fig.savefig(path / "curves.png", dpi=90)
     plt.close(fig)
-
-
-def _mean(xs) -> float:
-    xs = list(xs)
-    return float(sum(xs) / len(xs)) if xs else 0.0

@@ -29,10 +29,11 @@ import torch
 
 from rapo_ray.agent.evaluation import family_result
 from rapo_ray.agent.retriever import steps_of
-from rapo_ray.algos.registry import get_algorithm
+from rapo_ray.algos.old_pass import old_pass_reason
+from rapo_ray.algos.registry import algorithm_of
 from rapo_ray.config import Config
 from rapo_ray.core.errors import WORKER_DIED, ConfigError
-from rapo_ray.core.metrics import RunMetrics, StageTimer
+from rapo_ray.core.metrics import RunMetrics, StageTimer, mean_or_zero
 from rapo_ray.envs.loaders import source_name
 from rapo_ray.envs.suite import family_of, task_difficulty, task_splits
 from rapo_ray.model.factory import load_tokenizer
@@ -40,7 +41,6 @@ from rapo_ray.pipelines.sft import sft_span
 from rapo_ray.training.checkpoints import problem, write_manifest
 from rapo_ray.training.data_flow import compute_advantages, fill_step_entropies
 from rapo_ray.training.dynamic_sampling import dynamic_sample
-from rapo_ray.training.old_pass import old_pass_reason
 from rapo_ray.training.prompt_pool import PromptPool
 from rapo_ray.training.reporting import step_metrics, write_trajectories
 from rapo_ray.training.staleness import (
@@ -83,7 +83,7 @@ class Trainer:
         """``tasks``: ``rl_task_pool(cfg)`` when the caller has it already (computed here otherwise). ``learners``: a
         group already starting (``LearnerGroup(..., wait=False)``) for this config and model; built here otherwise."""
         self.cfg, self.model_dir, self.checkpoints_dir = cfg, Path(model_dir), Path(checkpoints_dir)
-        self.algorithm = get_algorithm(cfg.algo.name)
+        self.algorithm = algorithm_of(cfg.algo)
         self.retrieval_app = retrieval_app
         self.tok = load_tokenizer(model_dir)
         self.train_tasks, self.test_tasks = tasks if tasks is not None else rl_task_pool(cfg)
@@ -125,34 +125,37 @@ class Trainer:
     def step(self, trajectories_dir: Path | None = None) -> dict:
         """One RL step; returns its metrics. ``trajectories_dir``: write the step's batch there as parquet."""
         cfg = self.cfg
-        seconds: dict[str, float] = {}
-        t_step = time.perf_counter()
-        # 1-2. sample prompts (one group per prompt) and roll them out on the fleet, unless the last step's update
-        # already rolled them out (algo.max_staleness >= 1); groups too stale for the bound are rolled out again
-        ahead = self.ahead.popleft() if self.ahead else self._roll_out(self.step_idx)
-        if ahead.step != self.step_idx:  # the queue and the step count come from one checkpoint: a bug otherwise
-            raise RuntimeError(
-                f"the rollout made ahead is step {ahead.step + 1}'s, the trainer is at {self.step_idx + 1}"
-            )
-        batch, rollout_stats, dropped, seconds["rollout_s"] = self._within_bound(ahead)
-        lags = lag_histogram(batch, self.learner_version)
-        # 3-5. the learners: old-policy pass, advantages, PPO update (and, with k >= 1, the next rollouts meanwhile)
-        if self._learner_thread is None:
-            update_stats, learner_seconds = self._learn(batch)
-        else:
-            update_stats, learner_seconds = self._learn_while_rolling_out(batch)
-        seconds.update(learner_seconds)
-        # 6. weight sync to every rollout engine
-        t0 = time.perf_counter()
-        self.version = self.learner_version
-        rollout_stats["replaced_workers"] += self.sync_weights()
-        seconds["sync_s"] = time.perf_counter() - t0
-        self.step_idx += 1
-        # 7. optional buffer growth, trajectories to parquet, metrics
-        inserted = self._insert_on_policy(batch) if cfg.retrieval.insert_on_policy and self.retrieval_app else None
-        if trajectories_dir is not None:
-            write_trajectories(trajectories_dir, self.step_idx, batch)
-        seconds["step_s"] = time.perf_counter() - t_step
+        timer = StageTimer()  # wall seconds per stage, reported as <stage>_s
+        with timer.stage("step_s"):
+            # 1-2. sample prompts (one group per prompt) and roll them out on the fleet, unless the last step's
+            # update already rolled them out (algo.max_staleness >= 1); groups too stale for the bound are rolled
+            # out again
+            ahead = self.ahead.popleft() if self.ahead else self._roll_out(self.step_idx)
+            if ahead.step != self.step_idx:  # the queue and the step count come from one checkpoint: else a bug
+                raise RuntimeError(
+                    f"the rollout made ahead is step {ahead.step + 1}'s, the trainer is at {self.step_idx + 1}"
+                )
+            batch, rollout_stats, dropped, rollout_s = self._within_bound(ahead)
+            timer.add("rollout_s", rollout_s)
+            lags = lag_histogram(batch, self.learner_version)
+            # 3-5. the learners: old-policy pass, advantages, PPO update (with k >= 1, the next rollouts meanwhile)
+            if self._learner_thread is None:
+                update_stats, learner_seconds = self._learn(batch)
+            else:
+                update_stats, learner_seconds = self._learn_while_rolling_out(batch)
+            for stage, stage_s in learner_seconds.items():
+                timer.add(stage, stage_s)
+            # 6. weight sync to every rollout engine
+            with timer.stage("sync_s"):
+                self.version = self.learner_version
+                rollout_stats["replaced_workers"] += self.sync_weights()
+            self.step_idx += 1
+            # 7. optional buffer growth, trajectories to parquet, metrics
+            insert = cfg.retrieval.insert_on_policy and self.retrieval_app
+            inserted = self._insert_on_policy(batch) if insert else None
+            if trajectories_dir is not None:
+                write_trajectories(trajectories_dir, self.step_idx, batch)
+        seconds = timer.seconds
         m = step_metrics(
             self.step_idx,
             self.version,
@@ -230,26 +233,24 @@ class Trainer:
         """The learners' part of the step: old-policy pass (exact log-probs, full-vocabulary entropies), advantages
         (the algorithm's estimator: GRPO's outcome advantage; RAPO adds the retrieval reward and shaping), PPO
         update with global denominators per mini-batch. Returns the update's stats and the stage timings."""
-        seconds = {}
-        t0 = time.perf_counter()
+        timer = StageTimer()
         # one optimizer step on fresh rows that nothing reads pi_old's values before: the update's forward is the pass
         skip_pass = old_pass_reason(self.cfg, len(batch), self.algorithm) is None
-        if skip_pass:
-            self.learners.learner_batch(batch)
-        else:
-            self.learners.forward_old(batch)
-        seconds["old_logprob_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        compute_advantages(batch, self.algorithm, self.cfg.algo, on=self.cfg.trainer.advantages_on)
-        seconds["advantages_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        update_stats = self.learners.update(batch, self.step_idx, old_from_update=skip_pass)
-        seconds["update_s"] = time.perf_counter() - t0
+        with timer.stage("old_logprob_s"):
+            if skip_pass:
+                self.learners.learner_batch(batch)
+            else:
+                old_pass_cpu_s = self.learners.forward_old(batch)["cpu_s"]
+        with timer.stage("advantages_s"):
+            compute_advantages(batch, self.algorithm, self.cfg.algo, on=self.cfg.trainer.advantages_on)
+        with timer.stage("update_s"):
+            update_stats = self.learners.update(batch, self.step_idx, old_from_update=skip_pass)
         if skip_pass:
             fill_step_entropies(batch)  # from the update's own forward, for the metrics and the trajectories
         update_stats["old_pass_skipped"] = float(skip_pass)
+        update_stats["old_pass_cpu_s"] = 0.0 if skip_pass else old_pass_cpu_s
         self.learner_version += 1
-        return update_stats, seconds
+        return update_stats, timer.seconds
 
     def _learn_while_rolling_out(self, batch: TrajectoryBatch) -> tuple[dict, dict[str, float]]:
         """``_learn`` in the learner thread while this thread rolls out the next steps, at most
@@ -258,19 +259,17 @@ class Trainer:
         and timings, the latter with ``ahead_rollout_s`` (the rollouts made meanwhile) and ``learner_wait_s`` (the
         wait for the learners after them: the update's time that no rollout covered)."""
         cfg = self.cfg
-        seconds = {}
+        timer = StageTimer()
         self._learning = learning = self._learner_thread.submit(self._learn, batch)
-        t0 = time.perf_counter()
         try:
-            while not learning.done() and len(self.ahead) < cfg.algo.max_staleness:
-                next_step = self.step_idx + 1 + len(self.ahead)
-                if next_step >= cfg.trainer.total_steps:
-                    break
-                self.ahead.append(self._roll_out(next_step))
-            seconds["ahead_rollout_s"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            futures.wait([learning])
-            seconds["learner_wait_s"] = time.perf_counter() - t0
+            with timer.stage("ahead_rollout_s"):
+                while not learning.done() and len(self.ahead) < cfg.algo.max_staleness:
+                    next_step = self.step_idx + 1 + len(self.ahead)
+                    if next_step >= cfg.trainer.total_steps:
+                        break
+                    self.ahead.append(self._roll_out(next_step))
+            with timer.stage("learner_wait_s"):
+                futures.wait([learning])
         except BaseException:
             futures.wait([learning])  # the learners' part never outlives its step
             if learning.exception() is not None:  # a lost learner is the launcher's to rebuild: it wins
@@ -279,7 +278,7 @@ class Trainer:
         finally:
             self._learning = None
         update_stats, learner_seconds = learning.result()
-        return update_stats, {**learner_seconds, **seconds}
+        return update_stats, {**learner_seconds, **timer.seconds}
 
     def _sample_groups(self, n: int, step: int, first: int = 0) -> list[tuple]:
         """``n`` (group id, Task) pairs for step ``step``, numbered from ``first`` (dynamic sampling's refills
@@ -352,7 +351,7 @@ class Trainer:
             result = family_result([t for t in batch if family_of(t.problem_id) == fam])
             metrics[f"eval/{fam}/accuracy"] = result.accuracy
             metrics[f"eval/{fam}/format_valid"] = result.format_valid
-        metrics["eval/mean_accuracy"] = _mean(metrics[f"eval/{f}/accuracy"] for f in self.test_tasks)
+        metrics["eval/mean_accuracy"] = mean_or_zero(metrics[f"eval/{f}/accuracy"] for f in self.test_tasks)
         return EvalResult(metrics, {t.problem_id: bool(t.correct) for t in batch})
 
     def save(self) -> Path:
@@ -472,8 +471,3 @@ def rl_task_pool(cfg: Config) -> tuple[dict, dict]:
             f"{rl} RL questions of each training family; too few in {short or 'every family'}"
         )
     return pool, validation  # scored under the training family's name (gsm8k_openai, not the test file's gsm8k)
-
-
-def _mean(xs) -> float:
-    xs = list(xs)
-    return float(sum(xs) / len(xs)) if xs else 0.0

@@ -10,13 +10,12 @@ Shapes (B trajectories; T = the longest prompt + response; ``S_i`` = generated s
     stage                         field              shape               filled by
     rollout                       trajectories       [B]                 RolloutFleet.run_step
     old-policy pass               learner            LearnerBatch        LearnerGroup.forward_old (or the update,
-                                                                             training/old_pass.py)
+                                                                             algos/old_pass.py)
                                     .old_logprobs    [B, T-1] tensor
                                     .entropies       [B, T-1] tensor
     advantage estimation          step_entropies     [B][S_i]            data_flow.compute_advantages
-                                  advantage          [B]                 data_flow.compute_advantages
-                                  retrieval_reward   [B]                 data_flow.compute_advantages
-                                  shaping            [B]                 data_flow.compute_advantages
+                                  learner.signal     {name: [B] or       data_flow.compute_advantages: the
+                                                      [B, T-1] tensor}   algorithm's outputs (advantage, ...)
 
 A field is ``None`` until its stage has run.
 """
@@ -27,11 +26,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
+
+from rapo_ray.core.errors import require_filled
 from rapo_ray.types.learner_batch import LearnerBatch
 from rapo_ray.types.trajectory import Trajectory
 
 # Per-row fields that stages fill (``learner`` is sliced with them: its ``select``).
-STAGE_FIELDS = ("step_entropies", "advantage", "retrieval_reward", "shaping")
+STAGE_FIELDS = ("step_entropies",)
 
 # Columns of a step's parquet file (``trajectories/step-NNNNNN.parquet``), in order.
 PARQUET_COLUMNS = (
@@ -54,9 +56,6 @@ PARQUET_COLUMNS = (
     "num_retrieved_tokens",
     "retrieved_fraction",
     "policy_version",
-    "advantage",
-    "retrieval_reward",
-    "shaping",
     "finish_reason",
     "answer",
     "answer_retrieved",
@@ -162,9 +161,6 @@ class TrajectoryBatch:
     trajectories: list[Trajectory] = field(default_factory=list)
     learner: LearnerBatch | None = None
     step_entropies: list[list[float]] | None = None
-    advantage: list[float] | None = None
-    retrieval_reward: list[float] | None = None
-    shaping: list[float] | None = None
 
     def __len__(self) -> int:
         return len(self.trajectories)
@@ -202,11 +198,7 @@ class TrajectoryBatch:
 
     def require(self, *names: str) -> None:
         """Raise if a stage that must have run has not filled its fields (a stage called out of order)."""
-        missing = [n for n in names if getattr(self, n) is None]
-        if missing:
-            raise ValueError(
-                f"TrajectoryBatch: {missing} not filled yet (stages run in the order of rapo_ray/types/batch.py)"
-            )
+        require_filled(self, names, "stages run in the order of rapo_ray/types/batch.py")
 
     # ------------------------------------------------------------ views used by several stages
 
@@ -217,31 +209,32 @@ class TrajectoryBatch:
         return [float(t.reward) for t in self.trajectories]
 
     def advantage_inputs(self) -> dict:
-        """Plain columns for the advantage estimators (``rapo_ray.algos.group.ADVANTAGE_INPUTS``);
-        plain lists so the same columns can be an Arrow table in Ray Data."""
+        """Columns for the advantage estimators (``rapo_ray.algos.group.ADVANTAGE_INPUTS``): numpy arrays [B] per
+        row, and lists of each row's steps or retrievals where rows differ in length; the same columns make an Arrow
+        table for Ray Data."""
         self.require("step_entropies")
         return {
-            "row": list(range(len(self))),
-            "group_id": self.group_ids(),
-            "reward": self.rewards(),
+            "row": np.arange(len(self)),
+            "group_id": np.array(self.group_ids(), dtype=object),
+            "reward": np.array(self.rewards(), dtype=np.float64),
             "step_entropies": [[float(h) for h in hs] for hs in self.step_entropies],
             "retrieval_before": [[int(r.step_before) for r in t.retrievals] for t in self.trajectories],
             "retrieval_after": [
                 [-1 if r.step_after is None else int(r.step_after) for r in t.retrievals] for t in self.trajectories
             ],
-            "num_retrieved_tokens": [t.num_retrieved_tokens for t in self.trajectories],
-            "num_response_tokens": [len(t.response_ids) for t in self.trajectories],
+            "num_retrieved_tokens": np.array([t.num_retrieved_tokens for t in self.trajectories], dtype=np.int64),
+            "num_response_tokens": np.array([len(t.response_ids) for t in self.trajectories], dtype=np.int64),
         }
 
     # ------------------------------------------------------------ the boundary: parquet
 
     def to_rows(self) -> list[dict]:
-        """One flat dict per trajectory with ``PARQUET_COLUMNS`` (stage fields None when not filled)."""
+        """One flat dict per trajectory with ``PARQUET_COLUMNS`` (stage fields None when not filled), then the
+        algorithm's outputs by name (``learner.signal``: a float per row, or a list over the response tokens)."""
+        signal = self.learner is not None and self.learner.signal is not None
         rows = []
         for i, t in enumerate(self.trajectories):
             row = t.to_row()
-            for name in ("step_entropies", "advantage", "retrieval_reward", "shaping"):
-                col = getattr(self, name)
-                row[name] = col[i] if col is not None else None
-            rows.append({k: row.get(k) for k in PARQUET_COLUMNS})
+            row["step_entropies"] = self.step_entropies[i] if self.step_entropies is not None else None
+            rows.append({k: row.get(k) for k in PARQUET_COLUMNS} | (self.learner.row_signal(i) if signal else {}))
         return rows

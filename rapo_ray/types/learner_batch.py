@@ -12,10 +12,13 @@ per-token field is target-aligned and has T - 1 columns):
     input_ids        [B, T]    int32    prompt + response, right-padded with the model's pad id (``long_ids()``)
     loss_mask        [B, T-1]  uint8    1 where the target is a generated token (what the loss trains)
     old_logprobs     [B, T-1]  float32  log pi_old of each generated target, 0 elsewhere  (LearnerGroup.forward_old,
-                                        or the update's own forward when the pass is skipped: training/old_pass.py)
+                                        or the update's own forward when the pass is skipped: algos/old_pass.py)
     entropies        [B, T-1]  float32  full-vocabulary entropy at each generated target   (the same)
-    advantage        [B]       float32  (LearnerGroup.update, from the step's advantages)
-    shaping          [B]       float32  importance shaping factor, 1 without it
+    signal           {name: [B] or [B, T-1]} float32
+                                        the algorithm's outputs by the names it declares (``Algorithm.outputs``;
+                                        data_flow.compute_advantages): per row, or per token at the response's
+                                        targets (0 elsewhere). The loss reads ``advantage`` and, if present,
+                                        ``shaping`` (RAPO's importance shaping factor)
     behaviour_logprobs [B, T-1] float32 the engine's log-prob of each generated target, 0 elsewhere; only with
                                         ``algo.behaviour_correction`` (``from_trajectories(behaviour=True)``)
     prompt_len       [B]       int64    prompt tokens of each row
@@ -40,6 +43,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from rapo_ray.core.errors import require_filled
+
 
 def from_numpy(a: np.ndarray) -> torch.Tensor:
     """A tensor over ``a``'s buffer; copied first when read-only (Ray hands out read-only views of its object store,
@@ -60,8 +65,7 @@ class LearnerBatch:
     row: torch.Tensor
     old_logprobs: torch.Tensor | None = None
     entropies: torch.Tensor | None = None
-    advantage: torch.Tensor | None = None
-    shaping: torch.Tensor | None = None
+    signal: dict[str, torch.Tensor] | None = None
     behaviour_logprobs: torch.Tensor | None = None
 
     def __len__(self) -> int:
@@ -98,9 +102,10 @@ class LearnerBatch:
 
     @classmethod
     def padding(cls, n: int, pad_id: int, like: "LearnerBatch | None" = None) -> "LearnerBatch":
-        """``n`` one-token-prompt, one-token-response rows that weigh nothing in the loss (all-zero masks, advantage
-        0, shaping 1): they keep learner ranks in step, since FSDP's collectives need every rank in every
-        forward/backward. Stage fields are filled where ``like`` has them."""
+        """``n`` one-token-prompt, one-token-response rows that weigh nothing in the loss (all-zero masks and
+        signal): they keep learner ranks in step, since FSDP's collectives need every rank in every
+        forward/backward. Stage fields are filled where ``like`` has them (without ``like``: the pass's and an
+        ``advantage``)."""
         zeros = torch.zeros((n, 1), dtype=torch.float32)
         out = cls(
             input_ids=torch.full((n, 2), pad_id, dtype=torch.int32),
@@ -113,8 +118,10 @@ class LearnerBatch:
             out.old_logprobs = zeros.clone()
         if like is None or like.entropies is not None:
             out.entropies = zeros.clone()
-        if like is None or like.advantage is not None:
-            out.advantage, out.shaping = torch.zeros(n), torch.ones(n)
+        if like is None:
+            out.signal = {"advantage": torch.zeros(n)}
+        elif like.signal is not None:
+            out.signal = {k: torch.zeros(n) if v.dim() == 1 else torch.zeros((n, 1)) for k, v in like.signal.items()}
         if like is not None and like.behaviour_logprobs is not None:
             out.behaviour_logprobs = zeros.clone()
         return out
@@ -131,6 +138,8 @@ class LearnerBatch:
             v = getattr(self, f.name)
             if v is None:
                 out[f.name] = None
+            elif f.name == "signal":
+                out[f.name] = {k: x[idx] if x.dim() == 1 else x[idx, : T - 1] for k, x in v.items()}
             elif f.name in _PER_TOKEN:
                 out[f.name] = v[idx, : T if f.name == "input_ids" else T - 1]
             else:
@@ -141,41 +150,68 @@ class LearnerBatch:
     def concat(cls, parts: Sequence["LearnerBatch"], pad_id: int) -> "LearnerBatch":
         """Rows of ``parts`` in order, padded to the longest; a stage field is kept when every part has it."""
         T = max(p.input_ids.shape[1] for p in parts)
+
+        def joined(vals: list[torch.Tensor], width: int, fill=0) -> torch.Tensor:
+            if vals[0].dim() == 1:
+                return torch.cat(vals)
+            return torch.cat([torch.nn.functional.pad(v, (0, width - v.shape[1]), value=fill) for v in vals])
+
         out = {}
         for f in fields(cls):
             vals = [getattr(p, f.name) for p in parts]
             if any(v is None for v in vals):
                 out[f.name] = None
+            elif f.name == "signal":
+                out[f.name] = {k: joined([v[k] for v in vals], T - 1) for k in vals[0]}
             elif f.name in _PER_TOKEN:
-                width = T if f.name == "input_ids" else T - 1
-                fill = pad_id if f.name == "input_ids" else 0
-                out[f.name] = torch.cat([torch.nn.functional.pad(v, (0, width - v.shape[1]), value=fill) for v in vals])
+                out[f.name] = joined(
+                    vals, T if f.name == "input_ids" else T - 1, pad_id if f.name == "input_ids" else 0
+                )
             else:
                 out[f.name] = torch.cat(vals)
         return cls(**out)
 
-    def with_advantages(self, advantage: Sequence[float], shaping: Sequence[float]) -> "LearnerBatch":
-        return replace(
-            self,
-            advantage=torch.as_tensor(advantage, dtype=torch.float32),
-            shaping=torch.as_tensor(shaping, dtype=torch.float32),
-        )
+    def with_signal(self, outputs: dict[str, Sequence], per_token: Sequence[str] = ()) -> "LearnerBatch":
+        """This batch with the algorithm's ``outputs`` as ``signal`` tensors: a per-row output is [B] floats; one named
+        in ``per_token`` is a sequence of B arrays, each over its row's response tokens ([L_i], like
+        ``response_ids``), placed at the row's response targets of a [B, T-1] tensor (0 elsewhere)."""
+        signal = {}
+        for name, values in outputs.items():
+            if name not in per_token:
+                signal[name] = torch.as_tensor(np.asarray(values, dtype=np.float32))
+                continue
+            grid = torch.zeros(self.loss_mask.shape, dtype=torch.float32)
+            for i, row in enumerate(values):
+                s, e = self.response_span(i)
+                if len(row) != e - s:
+                    raise ValueError(
+                        f"per-token output {name!r}: row {i} has {len(row)} values for {e - s} response tokens"
+                    )
+                grid[i, s:e] = torch.as_tensor(np.asarray(row, dtype=np.float32))
+            signal[name] = grid
+        return replace(self, signal=signal)
 
     def require(self, *names: str) -> None:
         """Raise if a stage that must have run has not filled its fields (a stage called out of order)."""
-        missing = [n for n in names if getattr(self, n) is None]
-        if missing:
-            raise ValueError(
-                f"LearnerBatch: {missing} not filled yet (forward_old fills the first two, update the rest)"
-            )
+        require_filled(self, names, "forward_old fills old_logprobs and entropies, compute_advantages the signal")
 
     # ------------------------------------------------------------ crossing a process boundary
 
     def __getstate__(self) -> dict:
-        return {k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        def plain(v):
+            if isinstance(v, dict):
+                return {k: plain(x) for k, x in v.items()}
+            return v.numpy() if isinstance(v, torch.Tensor) else v
+
+        return {k: plain(v) for k, v in self.__dict__.items()}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update({k: (from_numpy(v) if isinstance(v, np.ndarray) else v) for k, v in state.items()})
+        def tensor(v):
+            if isinstance(v, dict):
+                return {k: tensor(x) for k, x in v.items()}
+            return from_numpy(v) if isinstance(v, np.ndarray) else v
+
+        self.__dict__.update({k: tensor(v) for k, v in state.items()})
 
     # ------------------------------------------------------------ views
 
@@ -199,9 +235,18 @@ class LearnerBatch:
         return int(self.prompt_len[i]) - 1, int(self.length[i]) - 1
 
     def response_values(self, name: str, i: int) -> torch.Tensor:
-        """Row ``i`` of a per-token field over its response tokens only ([L_i], aligned with ``response_ids``)."""
+        """Row ``i`` of a per-token field (or per-token ``signal`` output) over its response tokens only ([L_i],
+        aligned with ``response_ids``)."""
         s, e = self.response_span(i)
-        return getattr(self, name)[i, s:e]
+        values = self.signal[name] if self.signal is not None and name in self.signal else getattr(self, name)
+        return values[i, s:e]
+
+    def row_signal(self, i: int) -> dict:
+        """Row ``i``'s signal: a float per per-row output, a list over its response tokens per per-token one."""
+        return {
+            k: float(v[i]) if v.dim() == 1 else self.response_values(k, i).tolist()
+            for k, v in (self.signal or {}).items()
+        }
 
     def tokens(self) -> int:
         """Real (unpadded) tokens in the batch."""
@@ -214,7 +259,7 @@ class LearnerBatch:
         over the batch's width: columnar buffers, not Python lists); ``extra``: more columns of the same length."""
         import pyarrow as pa
 
-        self.require("old_logprobs", "advantage", "shaping")
+        self.require("old_logprobs", "signal")
 
         def matrix(t: torch.Tensor):
             flat = pa.array(t.contiguous().numpy().reshape(-1))
@@ -224,13 +269,16 @@ class LearnerBatch:
         cols = {name: matrix(getattr(self, name)) for name in per_token}
         if self.behaviour_logprobs is not None:
             cols["behaviour_logprobs"] = matrix(self.behaviour_logprobs)
-        cols |= {name: pa.array(getattr(self, name).numpy()) for name in ("advantage", "shaping", "prompt_len")}
-        cols |= {"length": pa.array(self.length.numpy()), "row": pa.array(self.row.numpy())}
+        cols |= {
+            f"signal.{k}": pa.array(v.numpy()) if v.dim() == 1 else matrix(v) for k, v in self.signal.items()
+        }  # the algorithm's outputs, by name
+        cols |= {name: pa.array(getattr(self, name).numpy()) for name in ("prompt_len", "length", "row")}
         return pa.table(cols | dict(extra or {}))
 
     @classmethod
     def from_arrow(cls, table) -> "LearnerBatch":
         """Inverse of ``to_arrow`` for a table (or a concatenation of tables) read back from Ray Data."""
+        import pyarrow as pa
 
         def matrix(name: str, dtype) -> torch.Tensor:
             col = table.column(name).combine_chunks()
@@ -247,8 +295,13 @@ class LearnerBatch:
             length=vector("length", np.int64),
             row=vector("row", np.int64),
             old_logprobs=matrix("old_logprobs", np.float32),
-            advantage=vector("advantage", np.float32),
-            shaping=vector("shaping", np.float32),
+            signal={
+                name[len("signal.") :]: matrix(name, np.float32)
+                if pa.types.is_fixed_size_list(table.schema.field(name).type)
+                else vector(name, np.float32)
+                for name in table.column_names
+                if name.startswith("signal.")
+            },
             behaviour_logprobs=matrix("behaviour_logprobs", np.float32)
             if "behaviour_logprobs" in table.column_names
             else None,

@@ -28,6 +28,7 @@ import torch
 from rapo_ray.algos.entropy import token_entropy_from_logits
 from rapo_ray.algos.loss import PolicyLossConfig, aggregation_denominator, logprobs_of, policy_loss
 from rapo_ray.algos.lr_schedule import lr_factor
+from rapo_ray.algos.old_pass import one_update_reason
 from rapo_ray.config import Config, from_dict, to_dict
 from rapo_ray.core.devices import mixed_precision_policy, pick_device, set_deterministic, shard_model
 from rapo_ray.core.errors import WORKER_DIED, LearnerLost, brief
@@ -59,6 +60,7 @@ RANK_REDUCE = {
     "rows": "sum",
     "padded_tokens": "sum",
     "slowest_rank_padded_tokens": "max",
+    "cpu_s": "sum",  # the ranks' process CPU seconds in the call, all of their threads
 }
 
 
@@ -192,7 +194,7 @@ class LearnerWorker(SyncMember):
         """``mini_batches``: per PPO mini-batch, this rank's micro-batches and the global denominator. Returns
         this rank's statistics as RLlib stats (``merge_actor_stats`` combines the ranks by ``RANK_REDUCE``).
 
-        ``old_from_update`` (the old-policy pass skipped, rapo_ray/training/old_pass.py): one mini-batch whose
+        ``old_from_update`` (the old-policy pass skipped, rapo_ray/algos/old_pass.py): one mini-batch whose
         micro-batches carry no ``old_logprobs``; the update's own log-probs, detached, are pi_old. Returns
         ``(stats, per micro-batch (log-probs, entropies))`` then, laid out as ``forward_old`` returns them."""
         if not old_from_update:
@@ -207,6 +209,7 @@ class LearnerWorker(SyncMember):
     ) -> dict[str, float]:
         """The optimizer steps; with ``passes`` (a list), pi_old is each micro-batch's own log-probs, and those and
         the entropies are appended to it."""
+        cpu0 = time.process_time()
         stats: dict[str, float] = {}
         n = padded = 0
         for micro_batches, denominator in mini_batches:
@@ -229,10 +232,10 @@ class LearnerWorker(SyncMember):
                 loss, m = policy_loss(
                     logp,
                     old_logp,
-                    mb.advantage.to(self.device),
+                    mb.signal["advantage"].to(self.device),  # [b] per row, or [b, T-1] per token
                     mb.loss_mask.to(self.device, torch.float32),
                     self.loss_cfg,
-                    shaping=mb.shaping.to(self.device),
+                    shaping=mb.signal["shaping"].to(self.device) if "shaping" in mb.signal else None,
                     ref_logp=ref_logp,
                     denominator=denominator,
                     behaviour_logp=None if mb.behaviour_logprobs is None else mb.behaviour_logprobs.to(self.device),
@@ -257,7 +260,12 @@ class LearnerWorker(SyncMember):
         out["lr"] = lr
         # rows x longest row of every forward/backward: what the passes cost; ranks wait for the slowest at each step
         out["padded_tokens"] = out["slowest_rank_padded_tokens"] = padded
+        out["cpu_s"] = time.process_time() - cpu0
         return out
+
+    def cpu_seconds(self) -> float:
+        """This rank's process CPU time so far (every thread): the driver's difference of two is a phase's CPU."""
+        return time.process_time()
 
     # ------------------------------------------------------------ weights and checkpoints
 
@@ -498,10 +506,20 @@ class LearnerGroup:
         max_rows = lc.micro_rows(lc.mini_batch_size // world)
         lb = self.learner_batch(batch)
         per_rank, _ = split_for_ranks(lb, world, max_rows, self.pad_id, lc.micro_batch_order())
+        cpu0 = self.cpu_seconds()
         results = _gather([w.forward_old.remote(mbs) for w, mbs in zip(self.workers, per_rank)])
+        cpu_s = self.cpu_seconds() - cpu0
         put_back_pass(lb, per_rank, results)
         per_rank_tokens = [sum(mb.input_ids.numel() for mb in mbs) for mbs in per_rank]
-        return {"padded_tokens": sum(per_rank_tokens), "slowest_rank_padded_tokens": max(per_rank_tokens)}
+        return {
+            "padded_tokens": sum(per_rank_tokens),
+            "slowest_rank_padded_tokens": max(per_rank_tokens),
+            "cpu_s": cpu_s,
+        }
+
+    def cpu_seconds(self) -> float:
+        """The ranks' process CPU seconds so far, summed (every thread of each)."""
+        return sum(_gather([w.cpu_seconds.remote() for w in self.workers]))
 
     def learner_batch(self, batch: TrajectoryBatch) -> LearnerBatch:
         """``batch.learner``: the step's trajectories as the learners' padded tensors (no pass run yet)."""
@@ -517,10 +535,11 @@ class LearnerGroup:
         computes a loss, and each rank gets its share of it in micro-batches of ``learner.micro_batch_size`` rows
         (its whole share by default).
 
-        ``old_from_update`` (the old-policy pass skipped, rapo_ray/training/old_pass.py): one optimizer step whose
+        ``old_from_update`` (the old-policy pass skipped, rapo_ray/algos/old_pass.py): one optimizer step whose
         own log-probs are pi_old; it fills ``batch.learner``'s ``old_logprobs`` and ``entropies`` from it."""
-        batch.require("learner", "advantage", "shaping")
-        lb = batch.learner.with_advantages(batch.advantage, batch.shaping)
+        batch.require("learner")
+        lb = batch.learner
+        lb.require("signal")
         lc, world = self.cfg.learner, self.world_size
         if old_from_update:
             return self._update_at_old_policy(batch, lb)
@@ -550,12 +569,8 @@ class LearnerGroup:
         """One optimizer step over all of ``lb``'s rows, in row order, whose forward stands in for the old-policy
         pass (its values go into ``batch.learner``)."""
         lc = self.cfg.learner
-        if lc.ppo_epochs != 1 or len(lb) > lc.mini_batch_size or self.cfg.trainer.learner_feed != "driver":
-            raise ValueError(
-                f"the update stands in for the old-policy pass only as one optimizer step on the driver feed "
-                f"(learner.ppo_epochs={lc.ppo_epochs}, {len(lb)} rows, learner.mini_batch_size={lc.mini_batch_size}, "
-                f"trainer.learner_feed={self.cfg.trainer.learner_feed})"
-            )
+        if reason := one_update_reason(self.cfg, len(lb)):
+            raise ValueError(f"the update stands in for the old-policy pass only as one optimizer step: {reason}")
         denominator = aggregation_denominator(lb.loss_mask.float(), self.cfg.algo.loss_agg_mode)
         split, _ = split_for_ranks(lb, self.world_size, lc.micro_batch_size, self.pad_id, lc.micro_batch_order())
         results = _gather([w.update.remote([(split[r], denominator)], True) for r, w in enumerate(self.workers)])

@@ -23,7 +23,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rapo_ray.agent.loop import AgentLoop, LoopSettings
-from rapo_ray.algos.registry import get_algorithm
+from rapo_ray.algos.registry import algorithm_of
 from rapo_ray.algos.rollout import ON_POLICY_ROLLOUT
 from rapo_ray.config import from_dict, to_dict
 from rapo_ray.core.devices import pick_device, set_deterministic
@@ -74,7 +74,7 @@ class RolloutWorker(SyncMember):
                 max_chars=cfg.retrieval.query_max_chars,
                 timeout_s=cfg.retrieval.timeout_s,
             )
-        self.train_rollout = get_algorithm(cfg.algo.name).rollout(cfg.algo)
+        self.train_rollout = algorithm_of(cfg.algo).rollout(cfg.algo)
         self.train_settings = LoopSettings.from_config(cfg)
         self.eval_settings = LoopSettings.from_config(cfg, evaluation=True)
         self.train_settings.max_context = self.eval_settings.max_context = max_context
@@ -105,9 +105,11 @@ class RolloutWorker(SyncMember):
             retriever=None if evaluation else self.retriever,
             rollout=ON_POLICY_ROLLOUT if evaluation else self.train_rollout,
         )
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         trajs, stats = loop.run_groups([t for _, t in groups], group_size, group_ids=[g for g, _ in groups])
         timings = {"generate_s": stats.generate_s, "tool_s": stats.tool_s, "retrieve_s": stats.retrieve_s}
+        # this worker's CPU (the in-process engine and the agent loop, every thread; not the sandboxed tool calls)
+        timings["cpu_s"] = time.process_time() - cpu0
         return {
             "batch": TrajectoryBatch(trajs),
             "worker_id": self.worker_id,
@@ -389,14 +391,7 @@ class RolloutFleet:
             lost["requeued_groups"] += len(take)
 
         while queue or inflight:
-            assignments = []
-            while queue and idle:
-                wid = idle.popleft()
-                if wid not in self.workers:  # replaced meanwhile
-                    continue
-                take = [queue.popleft() for _ in range(min(chunk, len(queue)))]
-                gseed = (seed * 1_000_003 + sum(zlib.crc32(str(g).encode()) for g, _ in take)) % (2**31)
-                assignments.append((wid, take, gseed))
+            assignments = self._assign(queue, idle, chunk, seed)
             self._send(assignments, group_size, evaluation, via_relays, inflight, finished)
             if on_dispatch:
                 for wid, take, _ in assignments:
@@ -417,44 +412,44 @@ class RolloutFleet:
                     for wid, take in part:
                         requeue(take)
                         idle.append(wid)
-                    self.events.append(
-                        FleetEvent(
-                            time.time(), "requeued", f"relay of node {node} died; {len(part)} workers' groups re-queued"
-                        )
-                    )
+                    self._event("requeued", f"relay of node {node} died; {len(part)} workers' groups re-queued")
                     continue
                 for wid, take in part:
                     if wid in dead:
                         requeue(take)
                         self._forget(wid)
                         died.append(wid)
-                        self.events.append(
-                            FleetEvent(
-                                time.time(),
-                                "requeued",
-                                f"worker {wid} died ({dead[wid]}); {len(take)} groups re-queued",
-                            )
-                        )
+                        self._event("requeued", f"worker {wid} died ({dead[wid]}); {len(take)} groups re-queued")
                         continue
                     idle.append(wid)
-                    res = values[wid]
-                    chunk_batch: TrajectoryBatch = res["batch"]
-                    by_group: dict[str, list[int]] = {}
-                    for i, gid in enumerate(chunk_batch.group_ids()):
-                        by_group.setdefault(gid, []).append(i)
-                    for gid, idx in by_group.items():
-                        idx.sort(key=lambda i: chunk_batch.trajectories[i].slot)
-                        done.setdefault(gid, chunk_batch.select(idx))  # first result wins: never counted twice
-                    worker_stats.append(res["stats"])
+                    keep_groups(values[wid]["batch"], done)
+                    worker_stats.append(values[wid]["stats"])
             if died:
                 idle.extend(self._start(len(died)))
                 lost["replaced_workers"] += len(died)
-                self.events += [FleetEvent(time.time(), "replaced", f"worker {wid} replaced") for wid in died]
+                for wid in died:
+                    self._event("replaced", f"worker {wid} replaced")
         missing = [g for g, _ in groups if g not in done]
         if missing:
             raise RuntimeError(f"rollout lost groups {missing[:5]}")
         stats = {"generate_s": 0.0, "tool_s": 0.0, "retrieve_s": 0.0, **merge_actor_stats(worker_stats), **lost}
         return TrajectoryBatch.concat([done[g] for g, _ in groups]), stats
+
+    def _event(self, kind: str, what: str) -> None:
+        self.events.append(FleetEvent(time.time(), kind, what))
+
+    def _assign(self, queue: deque, idle: deque, chunk: int, seed: int) -> list[tuple]:
+        """(worker id, groups, seed) for each idle worker while groups are queued: ``chunk`` groups each, seeded by
+        the step's seed and the groups' ids (so a re-queued group's draws do not depend on which worker runs it)."""
+        assignments = []
+        while queue and idle:
+            wid = idle.popleft()
+            if wid not in self.workers:  # replaced meanwhile
+                continue
+            take = [queue.popleft() for _ in range(min(chunk, len(queue)))]
+            gseed = (seed * 1_000_003 + sum(zlib.crc32(str(g).encode()) for g, _ in take)) % (2**31)
+            assignments.append((wid, take, gseed))
+        return assignments
 
     @staticmethod
     def _outcomes(fut, through_relay: bool, part: list[tuple]) -> tuple[dict | None, dict]:
@@ -493,3 +488,14 @@ class RolloutFleet:
         for relay in self.relays.values():
             ray.kill(relay)
         self.relays.clear()
+
+
+def keep_groups(chunk_batch: TrajectoryBatch, done: dict[str, TrajectoryBatch]) -> None:
+    """A worker's chunk into ``done``, one batch per group ordered by slot; the first result of a group wins (a
+    re-queued group that also finished elsewhere is never counted twice)."""
+    by_group: dict[str, list[int]] = {}
+    for i, gid in enumerate(chunk_batch.group_ids()):
+        by_group.setdefault(gid, []).append(i)
+    for gid, idx in by_group.items():
+        idx.sort(key=lambda i: chunk_batch.trajectories[i].slot)
+        done.setdefault(gid, chunk_batch.select(idx))

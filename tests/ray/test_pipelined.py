@@ -46,8 +46,8 @@ def _equal(a: dict, b: dict) -> bool:
 
 
 def test_k0_is_the_synchronous_step_bit_for_bit(sync_cfg, policy_dir, tmp_path):
+    from rapo_ray.algos.old_pass import old_pass_reason
     from rapo_ray.training.data_flow import compute_advantages
-    from rapo_ray.training.old_pass import old_pass_reason
 
     cfg = sync_cfg
     trainer = _trainer(cfg, policy_dir, tmp_path / "a")

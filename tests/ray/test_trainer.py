@@ -78,6 +78,8 @@ def test_end_to_end_rapo_and_resume(ray_session, warm_cfg):
     steps = [m for m in metrics if "reward" in m]
     assert metrics[0] == {"step": 0, **summary["before"]}  # the held-out curve starts at the starting policy
     assert len(steps) == 2 and all(m["rollout_tokens"] > 0 and m["learner_tokens_per_s"] > 0 for m in steps)
+    # each phase's CPU, from the actors' own process clocks (RAPO keeps the old-policy pass for its retrieval reward)
+    assert all(m["rollout_cpu_s"] > 0 and m["update/cpu_s"] > 0 and m["update/old_pass_cpu_s"] > 0 for m in steps)
     assert sum(m["retrievals"] for m in steps) > 0  # hybrid slots retrieved through Serve + Milvus
     assert sum(m["inserted_steps"] for m in steps) > 0  # on-policy steps went into the buffer through Serve
     assert Path(f"{rd}/curves.png").is_file() and json.load(open(f"{rd}/summary.json"))["steps"] == 2
@@ -145,6 +147,41 @@ def test_end_to_end_rapo_and_resume(ray_session, warm_cfg):
     assert summary["machine"]["cpu"] == built_on["cpu"] and summary["machine"]["cpu_count"] >= 1
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
     assert max((a[k] - init[k]).abs().max().item() for k in a) > 1e-4  # the steps moved the weights 10x that
+
+
+def test_a_users_algorithm_module_runs_in_a_ray_job(ray_session, warm_cfg):
+    """``algo.modules``: ``rloo-ramp`` of tests/user_algorithm.py, named only in the config, runs in the whole job.
+    The rollout workers import it (their groups start with half the slots and get the rest by the ``refill`` hook;
+    broken answers pay -2 by ``settle_reward``); the driver's estimator gives each token the leave-one-out advantage
+    times (t + 1) / L, a per-token output the module declares; and those reach the loss: at ratio 1 (one update on
+    fresh rows), the update's loss is -sum_(i,t) A_it m_it / sum m over the loss tokens m."""
+    import pyarrow.parquet as pq
+
+    from rapo_ray.config import from_dict, to_dict
+    from rapo_ray.launch.launcher import run
+
+    data = to_dict(warm_cfg)
+    data["algo"].update(name="rloo-ramp", modules=["tests.user_algorithm"], group_size=4, kl_coef=0.0)
+    data["trainer"].update(total_steps=1, prompts_per_step=4, dynamic_sampling=True, dynamic_sampling_budget=2.0)
+    data["learner"].update(mini_batch_size=16, ppo_epochs=1)
+    data["run"].update(name="user-algorithm")
+    summary = run(from_dict(data).validate(), log=lambda *_: None)
+    step = next(m for m in map(json.loads, open(f"{summary['run_dir']}/metrics.jsonl")) if "reward" in m)
+    rows = pq.read_table(f"{summary['run_dir']}/trajectories/step-000001.parquet").to_pylist()
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r["group_id"], []).append(r)
+    assert groups and all(sorted(r["slot"] for r in g) == [0, 1, 2, 3] for g in groups.values())  # refilled
+    assert all(r["reward"] == -2.0 for r in rows if not r["format_ok"]) and any(not r["format_ok"] for r in rows)
+    for g in groups.values():  # the module's estimator, per token
+        for r in g:
+            rest = [u["reward"] for u in g if u is not r]
+            a, n = r["reward"] - sum(rest) / len(rest), len(r["response_ids"])
+            assert r["advantage"] == pytest.approx([a * (t + 1) / n for t in range(n)], abs=1e-6)
+    assert any(any(r["advantage"]) for r in rows)
+    weighted = sum(a * m for r in rows for a, m in zip(r["advantage"], r["loss_mask"]))
+    assert step["update/old_pass_skipped"] == 1.0 and step["update/old_pass_cpu_s"] == 0.0
+    assert step["update/loss_sum"] == pytest.approx(-weighted / sum(sum(r["loss_mask"]) for r in rows), rel=1e-4)
 
 
 def test_resume_with_incompatible_config_names_fields(ray_session, warm_cfg, tmp_path):

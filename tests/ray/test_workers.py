@@ -420,12 +420,12 @@ def test_kl_penalty_pulls_the_policy_back_to_the_starting_model(ray_session, fle
         assert (old[generated] < 0).all() and (ent[generated] > 0).all()
         assert not old[~generated].any() and not ent[~generated].any()
         batch.old_logprobs = from_numpy(old)
-        batch = batch.with_advantages([1.0 if i % 2 else -1.0 for i in range(4)], [1.0] * 4)
+        batch = batch.with_signal({"advantage": [1.0 if i % 2 else -1.0 for i in range(4)], "shaping": [1.0] * 4})
         denominator = float(sum(t.loss_mask.sum() for t in trajs))
         push = merge_actor_stats([ray.get(actor.update.remote([([batch], denominator)]))])
         assert push["kl_ref"] == pytest.approx(0.0, abs=1e-7)  # the first forward is the reference itself
         ((moved, _),) = ray.get(actor.forward_old.remote([batch]))
-        batch = batch.with_advantages([0.0] * 4, [1.0] * 4)
+        batch = batch.with_signal({"advantage": [0.0] * 4, "shaping": [1.0] * 4})
         batch.old_logprobs = from_numpy(moved)
         kls = [merge_actor_stats([ray.get(actor.update.remote([([batch], denominator)]))])["kl_ref"] for _ in range(4)]
         assert kls[0] > 1e-4 and kls[-1] < 0.5 * kls[0]
@@ -455,7 +455,7 @@ def test_micro_batches_accumulate_to_the_same_update(ray_session, fleet_cfg, tin
         )
         try:
             old = from_numpy(ray.get(actor.forward_old.remote([batch]))[0][0])
-            full = batch.with_advantages([1.0 if r % 2 else -1.0 for r in range(4)], [1.0] * 4)
+            full = batch.with_signal({"advantage": [1.0 if r % 2 else -1.0 for r in range(4)], "shaping": [1.0] * 4})
             full.old_logprobs = old
             split = [full.select([i]) for i in range(4)] if micro else [full]
             stats = merge_actor_stats([ray.get(actor.update.remote([(split, denominator)]))])
@@ -475,7 +475,7 @@ def test_micro_batches_accumulate_to_the_same_update(ray_session, fleet_cfg, tin
 def test_the_update_standing_in_for_the_old_pass_gives_the_same_loss_gradients_and_values(
     ray_session, fleet_cfg, tiny_model_dir
 ):
-    """One optimizer step on fresh rows (rapo_ray/training/old_pass.py): the update whose own log-probs, detached,
+    """One optimizer step on fresh rows (rapo_ray/algos/old_pass.py): the update whose own log-probs, detached,
     are pi_old gives the loss, the gradient norm and the new weights that the separate old-policy pass gives, and
     hands back that pass's log-probs and entropies; in 2-row micro-batches, as the trainer splits a rank's rows."""
     from dataclasses import asdict, replace
@@ -486,7 +486,7 @@ def test_the_update_standing_in_for_the_old_pass_gives_the_same_loss_gradients_a
 
     cfg = replace(fleet_cfg, learner=replace(fleet_cfg.learner, lr=3e-3, world_size=1))
     batch, denominator = _four_rows(tiny_model_dir)
-    full = batch.with_advantages([1.0, -1.0, 0.5, -0.5], [1.0] * 4)
+    full = batch.with_signal({"advantage": [1.0, -1.0, 0.5, -0.5], "shaping": [1.0] * 4})
     results = []
     for skip in (False, True):
         actor = ray.remote(num_cpus=0.5)(LearnerWorker).remote(
@@ -542,7 +542,7 @@ def test_the_behaviour_correction_reaches_the_learners_loss(ray_session, fleet_c
         try:
             batch = LearnerBatch.from_trajectories(trajs, pad_token_id(tiny_model_dir), behaviour=correction != "none")
             old = from_numpy(ray.get(actor.forward_old.remote([batch]))[0][0])
-            full = batch.with_advantages([1.0, -2.0], [1.0, 1.0])
+            full = batch.with_signal({"advantage": [1.0, -2.0], "shaping": [1.0, 1.0]})
             full.old_logprobs = old
             if full.behaviour_logprobs is not None:
                 full.behaviour_logprobs = (old + engine_gap) * full.loss_mask
@@ -568,6 +568,9 @@ def test_forward_old_puts_sorted_micro_batches_back_in_row_order(ray_session, fl
 
     @ray.remote(num_cpus=0)
     class Echo:
+        def cpu_seconds(self) -> float:  # the group reads each rank's CPU clock around the pass
+            return 0.0
+
         def forward_old(self, micro_batches):
             """Each row's response positions hold its response length (log-probs) and its row index (entropies)."""
             return [
@@ -597,7 +600,7 @@ def test_forward_old_puts_sorted_micro_batches_back_in_row_order(ray_session, fl
         if balanced:
             # rows of 2 + n tokens, micro-batches of 4: rank 0 the four longest (4 x 35) and a 2-token padding row,
             # rank 1 the next four (4 x 8) and the shortest row (1 x 4)
-            assert padded == {"padded_tokens": 142 + 36, "slowest_rank_padded_tokens": 142}
+            assert padded == {"padded_tokens": 142 + 36, "slowest_rank_padded_tokens": 142, "cpu_s": 0.0}
         assert [set(lb.response_values("old_logprobs", i).tolist()) for i in range(len(lengths))] == [
             {float(n)} for n in lengths
         ]
@@ -633,7 +636,7 @@ def test_update_deals_each_mini_batch_to_the_ranks_balanced(ray_session, fleet_c
     batch = TrajectoryBatch(trajs)
     batch.learner = LearnerBatch.from_trajectories(trajs, 0)
     batch.learner.old_logprobs = torch.zeros_like(batch.learner.response_mask)
-    batch.advantage, batch.shaping = [1.0] * 8, [1.0] * 8
+    batch.learner = batch.learner.with_signal({"advantage": [1.0] * 8, "shaping": [1.0] * 8})
     group.update(batch, step=1)
     ((long_rank, denominator),), ((short_rank, other_denominator),) = sorted(
         (ray.get(w.received.remote()) for w in group.workers), key=lambda sent: len(sent[0][0][0])
@@ -664,7 +667,9 @@ def test_checkpoint_in_a_lower_dtype_keeps_fp32_master_weights(ray_session, flee
                    response_ids=list(range(6, 12 + i)), loss_mask=[1] * (6 + i))
         for i in range(2)
     ]  # fmt: skip
-    batch = LearnerBatch.from_trajectories(trajs, pad_token_id(tiny_model_dir)).with_advantages([1.0, -1.0], [1.0, 1.0])
+    batch = LearnerBatch.from_trajectories(trajs, pad_token_id(tiny_model_dir)).with_signal(
+        {"advantage": [1.0, -1.0], "shaping": [1.0, 1.0]}
+    )
     path = tmp_path / "step-1"
     actor = make.remote(0, 1, free_port(), str(tiny_model_dir), asdict(cfg), "gloo")
     try:

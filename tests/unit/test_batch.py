@@ -28,17 +28,16 @@ def _traj(i: int, n_resp: int, group: str = "g") -> Trajectory:
 
 def test_select_concat_keep_rows_and_stage_fields_aligned():
     b = TrajectoryBatch([_traj(i, 4 + i) for i in range(4)])
-    b.learner = LearnerBatch.from_trajectories(b.trajectories, pad_id=0)
-    b.advantage = [10.0, 11.0, 12.0, 13.0]
+    b.learner = LearnerBatch.from_trajectories(b.trajectories, pad_id=0).with_signal({"advantage": [10, 11, 12, 13]})
     part = b.select([3, 1])
-    assert [t.slot for t in part] == [3, 1] and part.advantage == [13.0, 11.0]
+    assert [t.slot for t in part] == [3, 1] and part.learner.signal["advantage"].tolist() == [13.0, 11.0]
     assert part.learner.row.tolist() == [3, 1] and part.learner.input_ids.shape == (2, 10)  # 3 + 7 tokens, trimmed
-    assert part.step_entropies is None and part.shaping is None  # unfilled stages stay unfilled
-    fresh = TrajectoryBatch([_traj(i, 4 + i) for i in range(4)], advantage=[10.0, 11.0, 12.0, 13.0])
+    assert part.step_entropies is None and part.learner.old_logprobs is None  # unfilled stages stay unfilled
+    fresh = TrajectoryBatch([_traj(i, 4 + i) for i in range(4)], step_entropies=[[1.0], [2.0], [3.0], [4.0]])
     joined = TrajectoryBatch.concat([fresh.select([0]), fresh.select([2, 3])])
-    assert [t.slot for t in joined] == [0, 2, 3] and joined.advantage == [10.0, 12.0, 13.0]
+    assert [t.slot for t in joined] == [0, 2, 3] and joined.step_entropies == [[1.0], [3.0], [4.0]]
     # a stage field survives concat only when every part has it; learner data is built after the fleet joins
-    assert TrajectoryBatch.concat([fresh.select([0]), TrajectoryBatch([_traj(9, 4)])]).advantage is None
+    assert TrajectoryBatch.concat([fresh.select([0]), TrajectoryBatch([_traj(9, 4)])]).step_entropies is None
     with pytest.raises(ValueError, match="before the old-policy pass"):
         TrajectoryBatch.concat([b.select([0]), b.select([1])])
 
@@ -79,8 +78,8 @@ def test_trajectory_refuses_token_values_its_arrays_cannot_hold_by_name():
 
 def test_require_names_the_missing_stage():
     b = TrajectoryBatch([_traj(0, 4)])
-    with pytest.raises(ValueError, match=r"\['learner', 'advantage'\] not filled yet"):
-        b.require("learner", "advantage")
+    with pytest.raises(ValueError, match=r"\['learner', 'step_entropies'\] not filled yet"):
+        b.require("learner", "step_entropies")
     with pytest.raises(ValueError, match=r"\['old_logprobs'\] not filled yet"):
         LearnerBatch.from_trajectories(b.trajectories, pad_id=0).require("old_logprobs")
 
@@ -111,7 +110,7 @@ def test_behaviour_logprobs_are_the_engines_on_generated_targets_and_travel_with
     column, 0 on tool results, retrieved tokens and padding; sliced, padded, joined and sent like the other fields."""
     trajs = [_traj(0, 4), _traj(1, 6)]
     assert LearnerBatch.from_trajectories(trajs, pad_id=0).behaviour_logprobs is None  # only when asked for
-    lb = LearnerBatch.from_trajectories(trajs, pad_id=0, behaviour=True).with_advantages([1.0, -1.0], [1.0, 1.0])
+    lb = LearnerBatch.from_trajectories(trajs, pad_id=0, behaviour=True).with_signal({"advantage": [1.0, -1.0]})
     assert lb.behaviour_logprobs[0].tolist() == [0, 0, -0.5, -0.5, 0, 0, 0, 0]
     assert lb.behaviour_logprobs[1].tolist() == [0, 0, -0.5, -0.5, -0.5, -0.5, 0, 0]
     assert lb.select([0]).behaviour_logprobs.shape == (1, 6)  # trimmed with the row
@@ -126,35 +125,44 @@ def test_behaviour_logprobs_are_the_engines_on_generated_targets_and_travel_with
 
 
 def test_padding_rows_weigh_nothing():
-    lb = LearnerBatch.from_trajectories([_traj(0, 5)], pad_id=0).with_advantages([2.0], [1.1])
+    lb = LearnerBatch.from_trajectories([_traj(0, 5)], pad_id=0)
+    lb = lb.with_signal({"advantage": [2.0], "shaping": [1.1], "weight": [[0.5, 1.0, 1.0, 1.0, 1.0]]}, ["weight"])
     lb.old_logprobs = torch.full_like(lb.response_mask, -1.0)
     pad = LearnerBatch.padding(2, pad_id=0, like=lb)
     assert len(pad) == 2 and pad.loss_mask.sum() == 0 and pad.row.tolist() == [-1, -1]
-    assert pad.advantage.tolist() == [0.0, 0.0] and pad.shaping.tolist() == [1.0, 1.0]
+    assert {k: v.tolist() for k, v in pad.signal.items()} == {
+        "advantage": [0.0, 0.0],
+        "shaping": [0.0, 0.0],
+        "weight": [[0.0], [0.0]],  # per token: one target column, like the padding rows' masks
+    }
     assert pad.old_logprobs.abs().sum() == 0 and pad.entropies is None  # only the stages ``like`` has
+    assert LearnerBatch.padding(1, pad_id=0).signal == {"advantage": torch.zeros(1)}  # a rank with no rows
 
 
 def test_parquet_rows_and_learner_arrow_round_trip():
     b = TrajectoryBatch([_traj(i, 4 + i) for i in range(3)])
-    lb = LearnerBatch.from_trajectories(b.trajectories, pad_id=0).with_advantages([0.5, -0.5, 0.0], [1.0, 1.02, 1.0])
+    signal = {"advantage": [0.5, -0.5, 0.0], "retrieval_reward": [0.0, 0.3, 0.0], "shaping": [1.0, 1.02, 1.0]}
+    signal["weight"] = [[0.5] * 4, [0.25] * 5, [1.0] * 6]  # per token: one value per response token of each row
+    lb = LearnerBatch.from_trajectories(b.trajectories, pad_id=0).with_signal(signal, per_token=["weight"])
+    assert lb.signal["weight"][1].tolist() == [0, 0, 0.25, 0.25, 0.25, 0.25, 0.25, 0]  # at its response targets
     lb.old_logprobs = -0.1 * lb.response_mask
-    b.step_entropies, b.advantage, b.retrieval_reward, b.shaping = (
-        [[1.0]] * 3,
-        [0.5, -0.5, 0.0],
-        [0.0, 0.3, 0.0],
-        [1.0, 1.02, 1.0],
-    )
+    b.learner, b.step_entropies = lb, [[1.0]] * 3
     rows = b.to_rows()
-    assert (
-        list(rows[1]) == list(PARQUET_COLUMNS) and rows[1]["advantage"] == -0.5 and rows[1]["retrieval_reward"] == 0.3
-    )
+    assert list(rows[1]) == [*PARQUET_COLUMNS, "advantage", "retrieval_reward", "shaping", "weight"]
+    assert rows[1]["advantage"] == -0.5 and rows[1]["retrieval_reward"] == pytest.approx(0.3)
+    assert rows[1]["weight"] == [0.25] * 5
+    with pytest.raises(ValueError, match=r"per-token output 'weight': row 0 has 3 values for 4 response tokens"):
+        lb.with_signal({"weight": [[1.0] * 3, [1.0] * 5, [1.0] * 6]}, per_token=["weight"])
     assert rows[1]["segments"][1] == {"kind": RETRIEVED, "start": 3, "end": 5} and rows[1]["num_retrievals"] == 1
     table = lb.to_arrow({"mb": [0, 0, 1]})
     assert table.column("mb").to_pylist() == [0, 0, 1]
     back = LearnerBatch.from_arrow(table)
-    for name in ("input_ids", "attention_mask", "response_mask", "loss_mask", "old_logprobs", "advantage", "shaping"):
+    for name in ("input_ids", "attention_mask", "response_mask", "loss_mask", "old_logprobs"):
         assert getattr(back, name).dtype == getattr(lb, name).dtype, name
         assert torch.equal(getattr(back, name), getattr(lb, name)), name
+    assert list(back.signal) == list(lb.signal) and all(torch.equal(back.signal[k], lb.signal[k]) for k in lb.signal)
+    again = pickle.loads(pickle.dumps(lb.select([1, 2])))  # how a micro-batch reaches a rank
+    assert torch.equal(again.signal["weight"], lb.select([1, 2]).signal["weight"])
     assert back.row.tolist() == [0, 1, 2] and back.entropies is None
     joined = LearnerBatch.concat([lb.select([2]), lb.select([0])], pad_id=0)
     assert joined.row.tolist() == [2, 0] and torch.equal(joined.input_ids, lb.select([2, 0]).input_ids)
@@ -171,7 +179,8 @@ def test_advantage_inputs_are_the_estimators_columns():
     cols = b.advantage_inputs()
     assert tuple(cols) == ADVANTAGE_INPUTS
     assert cols["retrieval_before"] == [[], [0]] and cols["retrieval_after"] == [[], [-1]]
-    assert cols["num_retrieved_tokens"] == [0, 2] and cols["num_response_tokens"] == [6, 6]
+    assert cols["num_retrieved_tokens"].tolist() == [0, 2] and cols["num_response_tokens"].tolist() == [6, 6]
+    assert cols["reward"].dtype == np.float64 and cols["row"].tolist() == [0, 1]  # per-row columns are arrays
 
 
 def test_split_for_ranks_round_robin_with_padding():

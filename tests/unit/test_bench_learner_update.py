@@ -24,13 +24,15 @@ def test_a_saved_step_comes_back_with_its_tokens_advantages_and_shaping(tmp_path
         "shaping": [1.0, 1.02],
     }
     pq.write_table(pa.table(rows), tmp_path / "step-000003.parquet")
-    batch = bench.step_batch(tmp_path / "step-000003.parquet")
+    batch, signal = bench.step_batch(tmp_path / "step-000003.parquet")
     assert [t.token_ids() for t in batch] == [[3, 4, 7, 8, 9], [3, 7]]
     assert [t.loss_mask.tolist() for t in batch] == [[1, 0, 1], [1]] and [t.slot_kind for t in batch] == [
         "on_policy",
         "hybrid",
     ]
-    assert batch.advantage == [0.5, -0.5] and batch.shaping == pytest.approx([1.0, 1.02])
+    assert signal["advantage"] == [0.5, -0.5] and signal["shaping"] == pytest.approx([1.0, 1.02])
+    pq.write_table(pa.table({k: v for k, v in rows.items() if k != "shaping"}), tmp_path / "step-000004.parquet")
+    assert bench.step_batch(tmp_path / "step-000004.parquet")[1] == {"advantage": [0.5, -0.5]}  # a GRPO step
 
 
 def test_steps_are_parsed_or_refused_by_name():

@@ -1,10 +1,6 @@
-"""A new algorithm is one module and one register call: the one below is defined in this file only, and the
-config, the agent loop and the advantage stage run it without a change to rapo_ray.
-
-RLOO with a second chance: groups start with half their slots; when every path of a group has ended, the
-other half is sampled at once (the ``refill`` hook); an answer that breaks the tag format costs -2 instead of
--1 (the ``settle_reward`` hook); the advantage is reward minus the mean reward of the rest of the group
-(REINFORCE leave-one-out)."""
+"""A new algorithm is one module and one register call: the one in tests/user_algorithm.py is defined outside
+rapo_ray, and the config, the agent loop and the advantage stage run it without a change to rapo_ray (in a Ray job:
+tests/ray/test_trainer.py)."""
 
 from __future__ import annotations
 
@@ -13,68 +9,14 @@ from collections import Counter
 import pytest
 
 from rapo_ray.agent.loop import AgentLoop
-from rapo_ray.algos import registry
-from rapo_ray.algos.registry import Algorithm, get_algorithm, register
-from rapo_ray.algos.rollout import RolloutPolicy
+from rapo_ray.algos.registry import get_algorithm
 from rapo_ray.config import load_config
 from rapo_ray.core.errors import ConfigError
 from rapo_ray.engines.base import GenerationResult, InferenceEngine
 from rapo_ray.types.batch import TrajectoryBatch
-from rapo_ray.types.trajectory import ON_POLICY, Task
+from rapo_ray.types.trajectory import Task
 from tests.helpers import settings
-
-# ------------------------------------------------------------ the algorithm: one module's worth
-
-
-class SecondChanceRollout(RolloutPolicy):
-    def begin(self, group_ids, group_size, rng, vocab_size):
-        run = SecondChanceRollout()
-        run.owed = {gid: group_size - group_size // 2 for gid in group_ids}
-        run.group_size = group_size
-        return run
-
-    def initial_slots(self, group_size):
-        return [ON_POLICY] * (group_size // 2)
-
-    def refill(self, trajs):
-        out, self.owed = {gid: n for gid, n in self.owed.items() if n > 0}, {}
-        return out
-
-    def settle_reward(self, t):
-        if not t.format_ok:
-            t.reward = -2.0
-
-
-def rloo_advantages(columns: dict, algo_cfg) -> dict:
-    """A_i = r_i - mean_{j != i, same group} r_j; no retrieval reward, no shaping."""
-    by_group: dict[str, list[float]] = {}
-    for gid, r in zip(columns["group_id"], columns["reward"]):
-        by_group.setdefault(gid, []).append(r)
-    adv = []
-    for gid, r in zip(columns["group_id"], columns["reward"]):
-        rest = by_group[gid]
-        adv.append(r - (sum(rest) - r) / (len(rest) - 1) if len(rest) > 1 else 0.0)
-    n = len(adv)
-    return {"row": list(columns["row"]), "advantage": adv, "retrieval_reward": [0.0] * n, "shaping": [1.0] * n}
-
-
-def _validate(algo_cfg) -> None:
-    if algo_cfg.group_size < 2:
-        raise ConfigError(f"algo.group_size ({algo_cfg.group_size}) must be >= 2 for a leave-one-out baseline")
-
-
-def register_rloo() -> Algorithm:
-    return register(
-        Algorithm(
-            "rloo-second-chance",
-            advantages=rloo_advantages,
-            rollout=lambda cfg: SecondChanceRollout(),
-            validate=_validate,
-        )
-    )
-
-
-# ------------------------------------------------------------ the proof
+from tests.user_algorithm import RLOO_SECOND_CHANCE
 
 
 class CyclingEngine(InferenceEngine):
@@ -104,9 +46,8 @@ class CyclingEngine(InferenceEngine):
 
 
 @pytest.fixture
-def rloo(monkeypatch):
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # registered for this test only
-    return register_rloo()
+def rloo():
+    return get_algorithm(RLOO_SECOND_CHANCE.name)  # registered when tests.user_algorithm was imported
 
 
 def test_an_algorithm_defined_outside_rapo_ray_runs_config_rollout_and_advantages(
@@ -136,4 +77,4 @@ def test_an_algorithm_defined_outside_rapo_ray_runs_config_rollout_and_advantage
     for i, t in enumerate(batch):
         rest = [u.reward for u in batch if u.group_id == t.group_id and u is not t]
         assert out["advantage"][i] == pytest.approx(t.reward - sum(rest) / 3)
-    assert out["shaping"] == [1.0] * len(batch)
+    assert set(out) == {"row", "advantage"} == {"row", *algorithm.outputs}  # no shaping: the loss uses none

@@ -1,4 +1,4 @@
-"""The skipped old-policy pass (rapo_ray/training/old_pass.py), without Ray: when it is redundant, the step's
+"""The skipped old-policy pass (rapo_ray/algos/old_pass.py), without Ray: when it is redundant, the step's
 advantages without it, and how the update's own values go back into the step's rows. The equality of the loss and
 the gradients with and without the pass, on a learner rank: tests/ray/test_workers.py."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rapo_ray.algos.old_pass import old_pass_reason
 from rapo_ray.algos.registry import get_algorithm
 from rapo_ray.config import load_config
 from rapo_ray.training.data_flow import compute_advantages
-from rapo_ray.training.old_pass import old_pass_reason
 from rapo_ray.types.batch import TrajectoryBatch
 from rapo_ray.types.learner_batch import LearnerBatch
 from rapo_ray.types.trajectory import Trajectory
@@ -56,8 +56,8 @@ def test_advantages_without_the_pass_are_those_with_it_and_rapo_refuses():
     compute_advantages(with_pass, grpo, cfg.algo)
     compute_advantages(without, grpo, cfg.algo)
     # (r - mean) / std within each group of 2 (sample std): +-0.5 / 0.7071
-    assert without.advantage == with_pass.advantage
-    assert [abs(a) for a in without.advantage] == pytest.approx([0.5**0.5] * 4, abs=1e-5)
+    assert torch.equal(without.learner.signal["advantage"], with_pass.learner.signal["advantage"])
+    assert without.learner.signal["advantage"].abs().tolist() == pytest.approx([0.5**0.5] * 4, abs=1e-5)
     assert without.step_entropies == [[], [], [], []]  # filled after the update, from its own forward
     rapo_cfg = load_config(None, ["algo.name=rapo"])
     with pytest.raises(ValueError, match="rapo reads the old policy's step entropies"):

@@ -18,12 +18,10 @@ from __future__ import annotations
 from rapo_ray.algos.registry import Algorithm
 
 
-def old_pass_reason(cfg, rows: int, algorithm: Algorithm) -> str | None:
-    """Why a step of ``rows`` trajectories needs the separate old-policy pass under ``cfg``; None when the update's
-    own forward gives the same values (the pass is redundant and is skipped)."""
+def one_update_reason(cfg, rows: int) -> str | None:
+    """Why the update of a step of ``rows`` trajectories under ``cfg`` is not exactly one optimizer step over all of
+    them, in row order, on the driver feed; None when it is (only then can its forward stand in for the pass)."""
     lc = cfg.learner
-    if not lc.skip_redundant_old_pass:
-        return "learner.skip_redundant_old_pass is off"
     if lc.ppo_epochs > 1:
         return f"learner.ppo_epochs={lc.ppo_epochs}: the later epochs' ratios are against the policy before the first"
     if rows > lc.mini_batch_size:
@@ -31,10 +29,18 @@ def old_pass_reason(cfg, rows: int, algorithm: Algorithm) -> str | None:
             f"{rows} rows in mini-batches of learner.mini_batch_size={lc.mini_batch_size}: the later mini-batches' "
             "ratios are against the policy before the first"
         )
-    if cfg.algo.max_staleness > 0:
-        return f"algo.max_staleness={cfg.algo.max_staleness}: rows sampled by older weights"
     if cfg.trainer.learner_feed != "driver":
         return f"trainer.learner_feed={cfg.trainer.learner_feed}: rows reach the ranks dynamically"
+    return None
+
+
+def old_pass_reason(cfg, rows: int, algorithm: Algorithm) -> str | None:
+    """Why a step of ``rows`` trajectories needs the separate old-policy pass under ``cfg`` (the run's Config);
+    None when the update's own forward gives the same values (the pass is redundant and is skipped)."""
+    if not cfg.learner.skip_redundant_old_pass:
+        return "learner.skip_redundant_old_pass is off"
+    if cfg.algo.max_staleness > 0:
+        return f"algo.max_staleness={cfg.algo.max_staleness}: rows sampled by older weights"
     if algorithm.reads_step_entropies(cfg.algo):
         return f"{algorithm.name}'s estimator reads the old policy's step entropies before the update"
-    return None
+    return one_update_reason(cfg, rows)
