@@ -13,7 +13,19 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from rapo_ray.algos.rollout import RolloutPolicy
+from rapo_ray.core.options import option
 from rapo_ray.types.trajectory import GENERATED, ON_POLICY, Trajectory
+
+
+@dataclass
+class ArpoConfig:
+    """ARPO's section, ``algo.arpo``: entropy-guided branching after tool calls."""
+
+    initial_rollouts: int = option(8, "N full samples per prompt; the rest of the group comes from branching.")
+    beam_size: int = option(2, "Branches per source per round + 1.")
+    branch_prob: float = option(0.5, "tau, base branch probability.")
+    entropy_weight: float = option(0.2, "beta, weight of the entropy change.")
+    entropy_tokens: int = option(20, "Entropy over the first k tokens after a tool result.")
 
 
 def normalized_segment_entropy(

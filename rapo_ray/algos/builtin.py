@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from rapo_ray.algos.arpo import BranchingRollout
+from rapo_ray.algos.arpo import ArpoConfig, BranchingRollout
 from rapo_ray.algos.group import grpo_group_advantages, rapo_group_advantages
-from rapo_ray.algos.rapo import HybridRollout, buffer_candidates
+from rapo_ray.algos.rapo import HybridRollout, RapoConfig, buffer_candidates
 from rapo_ray.algos.registry import Algorithm, register
 from rapo_ray.core.errors import ConfigError
 
@@ -56,7 +56,8 @@ ARPO = register(
         advantages=grpo_group_advantages,
         rollout=_arpo_rollout,
         validate=_arpo_validate,
-        config_section="arpo",
+        settings=ArpoConfig,
+        settings_help="ARPO (algo.name=arpo): entropy-guided branching.",
         describe=_arpo_describe,
     )
 )
@@ -67,7 +68,8 @@ RAPO = register(
         rollout=_rapo_rollout,
         buffer_candidates=buffer_candidates,
         validate=_rapo_validate,
-        config_section="rapo",
+        settings=RapoConfig,
+        settings_help="RAPO (algo.name=rapo): hybrid rollout, retrieval reward, shaping.",
         reads_step_entropies=_rapo_reads_step_entropies,
         outputs=("advantage", "retrieval_reward", "shaping"),
         describe=_rapo_describe,

@@ -14,7 +14,33 @@ import torch
 
 from rapo_ray.algos.advantages import EPS, group_zscore
 from rapo_ray.algos.rollout import RolloutPolicy
+from rapo_ray.core.options import option
 from rapo_ray.types.trajectory import HYBRID, ON_POLICY, Trajectory
+
+
+@dataclass
+class RapoConfig:
+    """RAPO's section, ``algo.rapo``: hybrid rollout, retrieval reward, importance shaping and their ablations."""
+
+    n_hybrid: int = option(8, "Hybrid slots per group N_hybrid (paper: 8). The first G - N_hybrid slots are on-policy.")
+    retrieve_prob: float = option(
+        0.5, "Probability of retrieving before each step after the first in a hybrid slot (Eq. 4)."
+    )
+    shaping_weight: float = option(0.05, "m in Eq. 8 (importance shaping).")
+    advantage_weight: float = option(0.2, "a in Eq. 10 (retrieval advantage weight).")
+    clamp_rapo_factor: bool = option(False, "Clamp (1 + a A_ret) at 0.")
+    use_retrieval_reward: bool = option(True, "Ablation: False is 'w/o RR' (A_RAPO = A_acc).")
+    use_importance_shaping: bool = option(True, "Ablation: False is 'w/o RIS' (shaping factor 1).")
+    use_quality_term: bool = option(True, "Ablation: False is 'w/o RQ' (no g term).")
+    use_timing_term: bool = option(True, "Ablation: False is 'w/o RT' (no H_before term).")
+    invert_delta: bool = option(False, "Table 3 variant: reward entropy increase.")
+    invert_timing: bool = option(False, "Table 3 variant: reward retrieving at low entropy.")
+    reward_retrieved_answers: bool = option(
+        True,
+        "False (not in the paper): a hybrid rollout whose answer occurs in a retrieved step and in none of its own "
+        "tool results earns reward 0 instead of its score, since the expert found that answer, not the policy. "
+        "(docs/RESULTS.md, Algorithms: the answer leak).",
+    )
 
 
 class HybridRollout(RolloutPolicy):

@@ -10,18 +10,18 @@ Values come from the dataclass defaults, then an optional YAML file, then dotted
 - ``presets.py``: named shapes and the tiny overrides of tests and benchmarks.
 """
 
+from rapo_ray.algos.arpo import ArpoConfig
+from rapo_ray.algos.rapo import RapoConfig
 from rapo_ray.config.help import help_text
 from rapo_ray.config.load import diff_configs, from_dict, load_config, parse_override, save_config, to_dict
 from rapo_ray.config.presets import BUNDLED_FAMILIES, MODEL_SIZES, TINY_OVERRIDES, TINY_WARM_OVERRIDES
 from rapo_ray.config.root import Config
 from rapo_ray.config.sections import (
     AlgoConfig,
-    ArpoConfig,
     CheckpointConfig,
     ColdStartConfig,
     LearnerConfig,
     ModelConfig,
-    RapoConfig,
     ResourcesConfig,
     RetrievalConfig,
     RolloutConfig,

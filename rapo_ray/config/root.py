@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from rapo_ray.algos.registry import algorithm_of
+from rapo_ray.algos.registry import ENTRY_POINT_GROUP, algorithm_of
 from rapo_ray.config.sections import (
     AlgoConfig,
     CheckpointConfig,
@@ -50,6 +50,12 @@ class Config:
         """Each section's own checks, the running algorithm's, then those across sections; raise ConfigError naming
         the field."""
         algorithm = algorithm_of(self.algo)  # an unknown name is refused there, with the registered ones
+        require(
+            algorithm.settings is None or hasattr(self.algo, algorithm.name),
+            f"algo.name={algorithm.name}: the algorithm has its own settings (algo.{algorithm.name}), but it registered "
+            f"after the configuration was built (through algo.modules); install its module as an entry point in the "
+            f"group {ENTRY_POINT_GROUP} so that its section exists (rapo_ray/algos/registry.py)",
+        )
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate()
         algorithm.validate(self.algo)

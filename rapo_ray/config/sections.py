@@ -7,28 +7,16 @@ choices. A section's ``validate`` checks its own fields; checks across sections 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from dataclasses import dataclass, field
 
 from rapo_ray.algos.loss import AGG_MODES, BEHAVIOUR_CORRECTIONS, KL_TYPES
 from rapo_ray.algos.lr_schedule import LR_SCHEDULES
+from rapo_ray.algos.registry import algorithms_with_settings
 from rapo_ray.config.presets import BUNDLED_FAMILIES, MODEL_SIZES, PACKAGED_MODELS
 from rapo_ray.core.errors import ConfigError
-
-
-def option(default, help: str, choices: tuple | None = None, aliases: dict | None = None):
-    """A config field: its default, its help text and (optionally) the values it may take, and older names of
-    those values that saved run configs may still carry (``aliases``: old -> current)."""
-    meta = {"help": help, "choices": choices, "aliases": aliases or {}}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def require(ok: bool, message: str) -> None:
-    """Raise ``ConfigError(message)`` unless ``ok``; the message names the field."""
-    if not ok:
-        raise ConfigError(message)
+from rapo_ray.core.options import option, require
 
 
 @dataclass
@@ -395,39 +383,10 @@ class RetrievalConfig:
 
 
 @dataclass
-class RapoConfig:
-    n_hybrid: int = option(8, "Hybrid slots per group N_hybrid (paper: 8). The first G - N_hybrid slots are on-policy.")
-    retrieve_prob: float = option(
-        0.5, "Probability of retrieving before each step after the first in a hybrid slot (Eq. 4)."
-    )
-    shaping_weight: float = option(0.05, "m in Eq. 8 (importance shaping).")
-    advantage_weight: float = option(0.2, "a in Eq. 10 (retrieval advantage weight).")
-    clamp_rapo_factor: bool = option(False, "Clamp (1 + a A_ret) at 0.")
-    use_retrieval_reward: bool = option(True, "Ablation: False is 'w/o RR' (A_RAPO = A_acc).")
-    use_importance_shaping: bool = option(True, "Ablation: False is 'w/o RIS' (shaping factor 1).")
-    use_quality_term: bool = option(True, "Ablation: False is 'w/o RQ' (no g term).")
-    use_timing_term: bool = option(True, "Ablation: False is 'w/o RT' (no H_before term).")
-    invert_delta: bool = option(False, "Table 3 variant: reward entropy increase.")
-    invert_timing: bool = option(False, "Table 3 variant: reward retrieving at low entropy.")
-    reward_retrieved_answers: bool = option(
-        True,
-        "False (not in the paper): a hybrid rollout whose answer occurs in a retrieved step and in none of its own "
-        "tool results earns reward 0 instead of its score, since the expert found that answer, not the policy. "
-        "(docs/RESULTS.md, Algorithms: the answer leak).",
-    )
+class SharedAlgoConfig:
+    """The fields every algorithm reads: which algorithm, its group and the shared PPO loss. ``AlgoConfig`` adds
+    one section per algorithm that has settings (``algo.rapo``, ``algo.arpo``), from the registry."""
 
-
-@dataclass
-class ArpoConfig:
-    initial_rollouts: int = option(8, "N full samples per prompt; the rest of the group comes from branching.")
-    beam_size: int = option(2, "Branches per source per round + 1.")
-    branch_prob: float = option(0.5, "tau, base branch probability.")
-    entropy_weight: float = option(0.2, "beta, weight of the entropy change.")
-    entropy_tokens: int = option(20, "Entropy over the first k tokens after a tool result.")
-
-
-@dataclass
-class AlgoConfig:
     name: str = option("rapo", "Algorithm, by its name in rapo_ray.algos.registry (built in: grpo, arpo, rapo).")
     modules: list = option(
         [],
@@ -461,13 +420,6 @@ class AlgoConfig:
         BEHAVIOUR_CORRECTIONS,
     )
     behaviour_cap: float = option(2.0, "The cap of algo.behaviour_correction's weight (> 1).")
-    rapo: RapoConfig = field(
-        default_factory=RapoConfig,
-        metadata={"help": "RAPO (algo.name=rapo): hybrid rollout, retrieval reward, shaping."},
-    )
-    arpo: ArpoConfig = field(
-        default_factory=ArpoConfig, metadata={"help": "ARPO (algo.name=arpo): entropy-guided branching."}
-    )
 
     def validate(self) -> None:
         """The shared PPO fields; the running algorithm checks its own section (``Algorithm.validate``)."""
@@ -478,6 +430,30 @@ class AlgoConfig:
         require(self.dual_clip == 0 or self.dual_clip > 1, f"algo.dual_clip ({self.dual_clip}) must be 0 (off) or > 1")
         require(self.behaviour_cap > 1, f"algo.behaviour_cap ({self.behaviour_cap}) must be > 1")
         require(self.max_staleness >= 0, f"algo.max_staleness ({self.max_staleness}) must be >= 0")
+
+
+def _algorithm_sections() -> list[tuple]:
+    """One field per registered algorithm with settings: ``algo.<name>``, its dataclass and its help."""
+    shared = {f.name for f in dataclasses.fields(SharedAlgoConfig)}
+    sections = []
+    for algorithm in algorithms_with_settings():
+        if algorithm.name in shared:
+            raise ConfigError(
+                f"algorithm {algorithm.name!r}: its section algo.{algorithm.name} would hide a shared field"
+            )
+        help_ = algorithm.settings_help or f"{algorithm.name} (algo.name={algorithm.name})."
+        sections.append(
+            (algorithm.name, algorithm.settings, field(default_factory=algorithm.settings, metadata={"help": help_}))
+        )
+    return sections
+
+
+# Built when this module is imported, after ``rapo_ray.algos`` has registered the built-in algorithms and those of
+# installed entry points; an algorithm's section is owned by its module (rapo_ray/algos/registry.py, ``settings``).
+AlgoConfig = dataclasses.make_dataclass(
+    "AlgoConfig", _algorithm_sections(), bases=(SharedAlgoConfig,), namespace={"__doc__": SharedAlgoConfig.__doc__}
+)
+AlgoConfig.__module__ = __name__  # pickles by name, like the other sections
 
 
 @dataclass

@@ -236,6 +236,7 @@ class Trainer:
         timer = StageTimer()
         # one optimizer step on fresh rows that nothing reads pi_old's values before: the update's forward is the pass
         skip_pass = old_pass_reason(self.cfg, len(batch), self.algorithm) is None
+        old_pass_cpu_s = 0.0
         with timer.stage("old_logprob_s"):
             if skip_pass:
                 self.learners.learner_batch(batch)
@@ -248,7 +249,7 @@ class Trainer:
         if skip_pass:
             fill_step_entropies(batch)  # from the update's own forward, for the metrics and the trajectories
         update_stats["old_pass_skipped"] = float(skip_pass)
-        update_stats["old_pass_cpu_s"] = 0.0 if skip_pass else old_pass_cpu_s
+        update_stats["old_pass_cpu_s"] = old_pass_cpu_s
         self.learner_version += 1
         return update_stats, timer.seconds
 

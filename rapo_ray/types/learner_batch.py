@@ -52,10 +52,6 @@ def from_numpy(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a if a.flags.writeable else a.copy())
 
 
-# Stored per-token fields ([B, T] or [B, T-1]: trimmed by ``select``); the others are per row ([B]).
-_PER_TOKEN = ("input_ids", "loss_mask", "old_logprobs", "entropies", "behaviour_logprobs")
-
-
 @dataclass
 class LearnerBatch:
     input_ids: torch.Tensor
@@ -104,8 +100,8 @@ class LearnerBatch:
     def padding(cls, n: int, pad_id: int, like: "LearnerBatch | None" = None) -> "LearnerBatch":
         """``n`` one-token-prompt, one-token-response rows that weigh nothing in the loss (all-zero masks and
         signal): they keep learner ranks in step, since FSDP's collectives need every rank in every
-        forward/backward. Stage fields are filled where ``like`` has them (without ``like``: the pass's and an
-        ``advantage``)."""
+        forward/backward. Stage fields are filled where ``like`` has them (without ``like``, on a rank that got no
+        rows: the pass's and ``advantage``, the one output every algorithm declares and the loss reads)."""
         zeros = torch.zeros((n, 1), dtype=torch.float32)
         out = cls(
             input_ids=torch.full((n, 2), pad_id, dtype=torch.int32),
@@ -133,17 +129,19 @@ class LearnerBatch:
         width, so that parts of it can be joined again as Arrow blocks of one schema)."""
         idx = torch.as_tensor(list(indices) if not isinstance(indices, torch.Tensor) else indices, dtype=torch.long)
         T = max(int(self.length[idx].max()) if len(idx) else 2, 2) if trim else int(self.input_ids.shape[1])
+
+        def rows_of(x: torch.Tensor, width: int) -> torch.Tensor:  # a per-token tensor is cut to ``width`` columns
+            return x[idx] if x.dim() == 1 else x[idx, :width]
+
         out = {}
         for f in fields(self):
-            v = getattr(self, f.name)
+            v, width = getattr(self, f.name), T if f.name == "input_ids" else T - 1
             if v is None:
                 out[f.name] = None
             elif f.name == "signal":
-                out[f.name] = {k: x[idx] if x.dim() == 1 else x[idx, : T - 1] for k, x in v.items()}
-            elif f.name in _PER_TOKEN:
-                out[f.name] = v[idx, : T if f.name == "input_ids" else T - 1]
+                out[f.name] = {k: rows_of(x, width) for k, x in v.items()}
             else:
-                out[f.name] = v[idx]
+                out[f.name] = rows_of(v, width)
         return LearnerBatch(**out)
 
     @classmethod
@@ -151,7 +149,7 @@ class LearnerBatch:
         """Rows of ``parts`` in order, padded to the longest; a stage field is kept when every part has it."""
         T = max(p.input_ids.shape[1] for p in parts)
 
-        def joined(vals: list[torch.Tensor], width: int, fill=0) -> torch.Tensor:
+        def joined(vals: list[torch.Tensor], width: int, fill=0) -> torch.Tensor:  # per row, or per token padded
             if vals[0].dim() == 1:
                 return torch.cat(vals)
             return torch.cat([torch.nn.functional.pad(v, (0, width - v.shape[1]), value=fill) for v in vals])
@@ -159,16 +157,13 @@ class LearnerBatch:
         out = {}
         for f in fields(cls):
             vals = [getattr(p, f.name) for p in parts]
+            width, fill = (T, pad_id) if f.name == "input_ids" else (T - 1, 0)
             if any(v is None for v in vals):
                 out[f.name] = None
             elif f.name == "signal":
-                out[f.name] = {k: joined([v[k] for v in vals], T - 1) for k in vals[0]}
-            elif f.name in _PER_TOKEN:
-                out[f.name] = joined(
-                    vals, T if f.name == "input_ids" else T - 1, pad_id if f.name == "input_ids" else 0
-                )
+                out[f.name] = {k: joined([v[k] for v in vals], width) for k in vals[0]}
             else:
-                out[f.name] = torch.cat(vals)
+                out[f.name] = joined(vals, width, fill)
         return cls(**out)
 
     def with_signal(self, outputs: dict[str, Sequence], per_token: Sequence[str] = ()) -> "LearnerBatch":

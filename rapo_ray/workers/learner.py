@@ -151,16 +151,18 @@ class LearnerWorker(SyncMember):
             return logp, _spread(token_entropy_from_logits(logits.detach()), at)
 
     @torch.no_grad()
-    def forward_old(self, micro_batches: list[LearnerBatch]) -> list[tuple[np.ndarray, np.ndarray]]:
+    def forward_old(self, micro_batches: list[LearnerBatch]) -> dict:
         """Per micro-batch: (log-probs, entropies) of its generated targets (``loss_mask``) under the current (= old)
         policy, each [b, T-1] float32 like the micro-batch's masks, 0 elsewhere (numpy: one buffer each on the way
-        back). Only generated tokens are read: the update's ratio and the step entropies (generated steps). Tool
-        results and retrieved blocks are context, so the LM head skips them."""
-        out = []
+        back), as ``passes``; and ``cpu_s``, this rank's process CPU seconds in the pass (every thread). Only
+        generated tokens are read: the update's ratio and the step entropies (generated steps). Tool results and
+        retrieved blocks are context, so the LM head skips them."""
+        cpu0 = time.process_time()
+        passes = []
         for mb in micro_batches:
             logp, ent = self._logprobs_at(mb.long_ids(), mb.attention_mask, mb.loss_mask > 0, entropy=True)
-            out.append((logp.cpu().numpy(), ent.cpu().numpy()))
-        return out
+            passes.append((logp.cpu().numpy(), ent.cpu().numpy()))
+        return {"passes": passes, "cpu_s": time.process_time() - cpu0}
 
     def update_from_stream(self, split, denominators: list[float], micro: int) -> dict:
         """PPO update on the rows a Ray Data ``streaming_split`` iterator hands this rank.
@@ -262,10 +264,6 @@ class LearnerWorker(SyncMember):
         out["padded_tokens"] = out["slowest_rank_padded_tokens"] = padded
         out["cpu_s"] = time.process_time() - cpu0
         return out
-
-    def cpu_seconds(self) -> float:
-        """This rank's process CPU time so far (every thread): the driver's difference of two is a phase's CPU."""
-        return time.process_time()
 
     # ------------------------------------------------------------ weights and checkpoints
 
@@ -500,26 +498,21 @@ class LearnerGroup:
     def forward_old(self, batch: TrajectoryBatch) -> dict[str, int]:
         """Build ``batch.learner`` from its trajectories and fill its ``old_logprobs`` and ``entropies`` ([B, T-1])
         under the current policy. Returns the pass's padded tokens (rows x longest row of every micro-batch, padding
-        micro-batches included), over all ranks and on the slowest rank, as ``update`` reports its own."""
+        micro-batches included), over all ranks and on the slowest rank, as ``update`` reports its own, and the ranks'
+        process CPU seconds in the pass (``cpu_s``)."""
         world, lc = self.world_size, self.cfg.learner
         # one pass over the whole batch, in micro-batches no bigger than a rank's share of a mini-batch (memory)
         max_rows = lc.micro_rows(lc.mini_batch_size // world)
         lb = self.learner_batch(batch)
         per_rank, _ = split_for_ranks(lb, world, max_rows, self.pad_id, lc.micro_batch_order())
-        cpu0 = self.cpu_seconds()
         results = _gather([w.forward_old.remote(mbs) for w, mbs in zip(self.workers, per_rank)])
-        cpu_s = self.cpu_seconds() - cpu0
-        put_back_pass(lb, per_rank, results)
+        put_back_pass(lb, per_rank, [r["passes"] for r in results])
         per_rank_tokens = [sum(mb.input_ids.numel() for mb in mbs) for mbs in per_rank]
         return {
             "padded_tokens": sum(per_rank_tokens),
             "slowest_rank_padded_tokens": max(per_rank_tokens),
-            "cpu_s": cpu_s,
+            "cpu_s": sum(r["cpu_s"] for r in results),  # the ranks' process CPU seconds in the pass
         }
-
-    def cpu_seconds(self) -> float:
-        """The ranks' process CPU seconds so far, summed (every thread of each)."""
-        return sum(_gather([w.cpu_seconds.remote() for w in self.workers]))
 
     def learner_batch(self, batch: TrajectoryBatch) -> LearnerBatch:
         """``batch.learner``: the step's trajectories as the learners' padded tensors (no pass run yet)."""

@@ -415,7 +415,7 @@ def test_kl_penalty_pulls_the_policy_back_to_the_starting_model(ray_session, fle
             for i in range(4)
         ]
         batch = LearnerBatch.from_trajectories(trajs, pad_token_id(tiny_model_dir))
-        ((old, ent),) = ray.get(actor.forward_old.remote([batch]))
+        ((old, ent),) = ray.get(actor.forward_old.remote([batch]))["passes"]
         generated = batch.loss_mask.numpy() > 0  # the old-policy pass reads generated targets only
         assert (old[generated] < 0).all() and (ent[generated] > 0).all()
         assert not old[~generated].any() and not ent[~generated].any()
@@ -424,7 +424,7 @@ def test_kl_penalty_pulls_the_policy_back_to_the_starting_model(ray_session, fle
         denominator = float(sum(t.loss_mask.sum() for t in trajs))
         push = merge_actor_stats([ray.get(actor.update.remote([([batch], denominator)]))])
         assert push["kl_ref"] == pytest.approx(0.0, abs=1e-7)  # the first forward is the reference itself
-        ((moved, _),) = ray.get(actor.forward_old.remote([batch]))
+        ((moved, _),) = ray.get(actor.forward_old.remote([batch]))["passes"]
         batch = batch.with_signal({"advantage": [0.0] * 4, "shaping": [1.0] * 4})
         batch.old_logprobs = from_numpy(moved)
         kls = [merge_actor_stats([ray.get(actor.update.remote([([batch], denominator)]))])["kl_ref"] for _ in range(4)]
@@ -454,12 +454,12 @@ def test_micro_batches_accumulate_to_the_same_update(ray_session, fleet_cfg, tin
             0, 1, free_port(), str(tiny_model_dir), asdict(cfg), "gloo"
         )
         try:
-            old = from_numpy(ray.get(actor.forward_old.remote([batch]))[0][0])
+            old = from_numpy(ray.get(actor.forward_old.remote([batch]))["passes"][0][0])
             full = batch.with_signal({"advantage": [1.0 if r % 2 else -1.0 for r in range(4)], "shaping": [1.0] * 4})
             full.old_logprobs = old
             split = [full.select([i]) for i in range(4)] if micro else [full]
             stats = merge_actor_stats([ray.get(actor.update.remote([(split, denominator)]))])
-            after = from_numpy(ray.get(actor.forward_old.remote([batch]))[0][0])
+            after = from_numpy(ray.get(actor.forward_old.remote([batch]))["passes"][0][0])
             results.append((stats, after, old))
         finally:
             ray.get(actor.shutdown.remote())
@@ -493,12 +493,12 @@ def test_the_update_standing_in_for_the_old_pass_gives_the_same_loss_gradients_a
             0, 1, free_port(), str(tiny_model_dir), asdict(cfg), "gloo"
         )
         try:
-            ((old, ent),) = ray.get(actor.forward_old.remote([batch]))  # before the update: pi_old
+            ((old, ent),) = ray.get(actor.forward_old.remote([batch]))["passes"]  # before the update: pi_old
             mini = replace(full, old_logprobs=None if skip else from_numpy(old))
             micro = [mini.select([0, 1]), mini.select([2, 3])]
             out = ray.get(actor.update.remote([(micro, denominator)], skip))
             stats, passes = out if skip else (out, None)
-            after = from_numpy(ray.get(actor.forward_old.remote([batch]))[0][0])
+            after = from_numpy(ray.get(actor.forward_old.remote([batch]))["passes"][0][0])
             results.append((merge_actor_stats([stats]), after, old, ent, passes))
         finally:
             ray.get(actor.shutdown.remote())
@@ -541,7 +541,7 @@ def test_the_behaviour_correction_reaches_the_learners_loss(ray_session, fleet_c
         )
         try:
             batch = LearnerBatch.from_trajectories(trajs, pad_token_id(tiny_model_dir), behaviour=correction != "none")
-            old = from_numpy(ray.get(actor.forward_old.remote([batch]))[0][0])
+            old = from_numpy(ray.get(actor.forward_old.remote([batch]))["passes"][0][0])
             full = batch.with_signal({"advantage": [1.0, -2.0], "shaping": [1.0, 1.0]})
             full.old_logprobs = old
             if full.behaviour_logprobs is not None:
@@ -568,18 +568,16 @@ def test_forward_old_puts_sorted_micro_batches_back_in_row_order(ray_session, fl
 
     @ray.remote(num_cpus=0)
     class Echo:
-        def cpu_seconds(self) -> float:  # the group reads each rank's CPU clock around the pass
-            return 0.0
-
         def forward_old(self, micro_batches):
             """Each row's response positions hold its response length (log-probs) and its row index (entropies)."""
-            return [
+            passes = [
                 (
                     (mb.response_mask * (mb.length - mb.prompt_len)[:, None]).numpy(),
                     (mb.response_mask * mb.row[:, None]).numpy(),
                 )
                 for mb in micro_batches
             ]
+            return {"passes": passes, "cpu_s": 0.5}
 
     lengths = [30, 3, 4, 31, 5, 29, 6, 2, 33]
     trajs = _trajectories_of_lengths(lengths)
@@ -600,7 +598,11 @@ def test_forward_old_puts_sorted_micro_batches_back_in_row_order(ray_session, fl
         if balanced:
             # rows of 2 + n tokens, micro-batches of 4: rank 0 the four longest (4 x 35) and a 2-token padding row,
             # rank 1 the next four (4 x 8) and the shortest row (1 x 4)
-            assert padded == {"padded_tokens": 142 + 36, "slowest_rank_padded_tokens": 142, "cpu_s": 0.0}
+            assert padded == {
+                "padded_tokens": 142 + 36,
+                "slowest_rank_padded_tokens": 142,
+                "cpu_s": 1.0,
+            }  # 2 ranks x 0.5
         assert [set(lb.response_values("old_logprobs", i).tolist()) for i in range(len(lengths))] == [
             {float(n)} for n in lengths
         ]
@@ -673,7 +675,7 @@ def test_checkpoint_in_a_lower_dtype_keeps_fp32_master_weights(ray_session, flee
     path = tmp_path / "step-1"
     actor = make.remote(0, 1, free_port(), str(tiny_model_dir), asdict(cfg), "gloo")
     try:
-        batch.old_logprobs = from_numpy(ray.get(actor.forward_old.remote([batch]))[0][0])
+        batch.old_logprobs = from_numpy(ray.get(actor.forward_old.remote([batch]))["passes"][0][0])
         ray.get(actor.update.remote([([batch], 13.0)]))
         trained = ray.get(actor.full_state_dict.remote())
         assert ray.get(actor.save_checkpoint.remote(str(path), str(tiny_model_dir)))
