@@ -15,7 +15,8 @@ format), so it gets the one a TRL user would write: GRPOTrainer's ``rollout_func
 (continuous batching; faster than ``generate``, TRL's CPU default), with tool-result tokens masked out of its loss
 (``env_mask``). Both: the recipe's prompt, response budget and tool limit, its optimiser and learning-rate
 schedule (TRL is handed ours: AdamW, ``lr_factor``'s warm-up), clip 0.28 both sides, no KL, token-mean loss,
-group-std advantages, no dynamic sampling (TRL has none; ours is off, so a step has the same rollouts).
+group-std advantages, no activation checkpointing (TRL's default is on), no dynamic sampling (TRL has none; ours is
+off, so a step has the same rollouts).
 ``--held-out N`` evaluates both trainers' final weights and their common start on the recipe's first N held-out
 problems with ``jobs/evaluate.py`` (greedy, our fleet, the same for all), and reports the gain per hour of
 training (the summed step times).
@@ -236,6 +237,9 @@ def trl_worker(args, model_dir: str, repeat: int, order: list[str]) -> dict:
         save_strategy="no",
         seed=repeat,
         disable_dropout=True,
+        # TRL turns activation checkpointing on by default; ours is off (learner.gradient_checkpointing), and at this
+        # model's size on a CPU it only recomputes activations: off on both sides
+        gradient_checkpointing=False,
         epsilon=0.28,
         epsilon_high=0.28,
         shuffle_dataset=False,  # the questions in our run's order

@@ -65,9 +65,8 @@ def tool_loop_rollout(
             engine = engine_on(model, tokenizer, max(len(prompts), 1))
             settings = LoopSettings.from_config(cfg)
             settings.seed = seed
-            state["loop"] = AgentLoop(
-                engine, tokenizer, build_tools(cfg.tasks, cfg.rollout, search_index=None), settings
-            )
+            state["tools"] = build_tools(cfg.tasks, cfg.rollout, search_index=None)
+            state["loop"] = AgentLoop(engine, tokenizer, state["tools"], settings)
         unknown = [p for p in prompts if p not in tasks_by_id]
         if unknown:
             raise ValueError(f"rollout_func: prompts {unknown[:3]} are not task ids of the recipe")

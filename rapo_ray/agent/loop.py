@@ -12,11 +12,12 @@ from rapo_ray.agent.per_trajectory import run_per_trajectory
 from rapo_ray.agent.retriever import StepRetriever
 from rapo_ray.agent.turns import AgentTurns, LoopSettings, RolloutStats
 from rapo_ray.algos.rollout import ON_POLICY_ROLLOUT, RolloutPolicy
+from rapo_ray.config.sections import ROLLOUT_SCHEDULES
 from rapo_ray.engines.base import InferenceEngine
 from rapo_ray.types.environment import Environment
 from rapo_ray.types.trajectory import Task, Trajectory
 
-SCHEDULES = {"lockstep": run_lockstep, "per_trajectory": run_per_trajectory}
+SCHEDULES = dict(zip(ROLLOUT_SCHEDULES, (run_lockstep, run_per_trajectory), strict=True))  # names: rollout.schedule
 
 
 class AgentLoop(AgentTurns):

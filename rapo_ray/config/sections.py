@@ -18,6 +18,10 @@ from rapo_ray.config.presets import BUNDLED_FAMILIES, MODEL_SIZES, PACKAGED_MODE
 from rapo_ray.core.errors import ConfigError
 from rapo_ray.core.options import option, require
 
+# The agent loop's two turn schedules (rapo_ray/agent/lockstep.py, per_trajectory.py). The agent sits above config,
+# so the names live here and rapo_ray/agent/loop.py maps them, in this order, to their functions.
+ROLLOUT_SCHEDULES = ("lockstep", "per_trajectory")
+
 
 @dataclass
 class ModelConfig:
@@ -205,7 +209,7 @@ class RolloutConfig:
         "How trajectories take turns: lockstep (one batched generate per turn for all live trajectories, then the "
         "turn's tool calls) or per_trajectory (each trajectory submits its next step the moment its tool result is "
         "in, joining the engine's running batch; tool calls overlap decoding).",
-        ("lockstep", "per_trajectory"),
+        ROLLOUT_SCHEDULES,
     )
     tool_timeout_s: float = option(5.0, "Wall-clock limit of one python tool call.")
     python_sandbox: str = option(

@@ -48,11 +48,17 @@ def two_cpu_head():
     ]
     subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=180)
     try:
-        yield f"http://127.0.0.1:{dashboard}", env
+        yield f"http://127.0.0.1:{dashboard}", env, temp
     finally:
         sessions = sorted(p for p in temp.glob("session_*") if p.is_dir() and not p.is_symlink())
         for session in sessions:
             reap(str(session))
+
+
+def agent_logs(temp: Path) -> str:
+    """The tail of the head's dashboard-agent logs: why its job agent did not come up."""
+    logs = sorted(temp.glob("session_*/logs/dashboard_agent*")) + sorted(temp.glob("session_*/logs/raylet.out"))
+    return "\n".join(f"--- {p.name}\n" + p.read_text(errors="replace")[-2000:] for p in logs) or f"no logs under {temp}"
 
 
 @pytest.mark.slow
@@ -61,7 +67,7 @@ def test_a_job_submitted_to_a_two_cpu_head_fits_itself_and_succeeds(two_cpu_head
 
     from rapo_ray.launch.launcher import enable_token_auth_if_available
 
-    address, env = two_cpu_head
+    address, env, temp = two_cpu_head
     enable_token_auth_if_available()  # Ray 2.60 heads started here use token auth (README): send the token
     overrides = [
         *TINY_OVERRIDES,
@@ -93,8 +99,12 @@ def test_a_job_submitted_to_a_two_cpu_head_fits_itself_and_succeeds(two_cpu_head
                 runtime_env={"working_dir": str(REPO), "env_vars": {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}},
             )
         except RuntimeError as exc:
-            if "No available agent" not in str(exc) or time.monotonic() > deadline:
+            if "No available agent" not in str(exc):
                 raise
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"the head's job agent was not up 120 s after `ray start`:\n{agent_logs(temp)}"
+                ) from exc
             time.sleep(2)
     deadline = time.monotonic() + 900
     status = client.get_job_status(job)

@@ -53,10 +53,21 @@ def _trainer_of(model):
     return SimpleNamespace(model=model, accelerator=SimpleNamespace(unwrap_model=lambda m: m))
 
 
-def test_the_tool_loop_reaches_trl_as_token_ids_with_tool_results_masked(tiny_cfg, tiny_tokenizer):
+def test_the_tool_loop_reaches_trl_as_token_ids_with_tool_results_masked(tiny_cfg, tiny_tokenizer, monkeypatch):
     """--tool-loop's rollout function: one completion per prompt entry, in TRL's order (a prompt repeats once per
-    generation of its group), the python tool's result inside the completion with env_mask 0, the loop's reward."""
+    generation of its group), the python tool's result inside the completion with env_mask 0, the loop's reward;
+    ``close`` stops the python sandbox it started."""
     rollout_mod = benchmark_module("trl_rollout")
+    closed = []
+
+    def tools_recording_close(*args, **kwargs):
+        tools = rollout_mod_build_tools(*args, **kwargs)
+        close = tools.close
+        tools.close = lambda: (closed.append(True), close())
+        return tools
+
+    rollout_mod_build_tools = rollout_mod.build_tools
+    monkeypatch.setattr(rollout_mod, "build_tools", tools_recording_close)
     by_id = _arith_tasks(2)
     (a, b) = by_id
     right = by_id[a].answers[0]
@@ -68,6 +79,7 @@ def test_the_tool_loop_reaches_trl_as_token_ids_with_tool_results_masked(tiny_cf
         out = rollout([a, a, b], _trainer_of(model=SimpleNamespace()))
     finally:
         rollout.close()
+    assert closed == [True]
     assert len(out["prompt_ids"]) == len(out["completion_ids"]) == 3
     assert out["loop_reward"][0] == out["loop_reward"][1] == 1.0 and out["correct"] == [True, True, False]
     assert out["loop_reward"][2] < 1.0  # b's answer is a's
