@@ -17,7 +17,10 @@ from rapo_ray.engines.base import InferenceEngine
 from rapo_ray.types.environment import Environment
 from rapo_ray.types.trajectory import Task, Trajectory
 
-SCHEDULES = dict(zip(ROLLOUT_SCHEDULES, (run_lockstep, run_per_trajectory), strict=True))  # names: rollout.schedule
+# Keyed by name, not by position in ROLLOUT_SCHEDULES, so reordering that tuple cannot swap two schedules.
+SCHEDULES = {"lockstep": run_lockstep, "per_trajectory": run_per_trajectory}
+if set(SCHEDULES) != set(ROLLOUT_SCHEDULES):
+    raise ImportError(f"agent SCHEDULES {sorted(SCHEDULES)} != config ROLLOUT_SCHEDULES {sorted(ROLLOUT_SCHEDULES)}")
 
 
 class AgentLoop(AgentTurns):

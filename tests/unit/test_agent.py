@@ -8,11 +8,15 @@ import random
 import numpy as np
 import pytest
 
+from rapo_ray.agent import loop as agent_loop
+from rapo_ray.agent.lockstep import run_lockstep
 from rapo_ray.agent.loop import AgentLoop, LoopSettings
+from rapo_ray.agent.per_trajectory import run_per_trajectory
 from rapo_ray.agent.retriever import InMemoryStepRetriever, StoredStep, steps_of
 from rapo_ray.agent.turns import answer_handed
 from rapo_ray.algos.arpo import BranchingRollout
 from rapo_ray.algos.rapo import HybridRollout
+from rapo_ray.config.sections import ROLLOUT_SCHEDULES
 from rapo_ray.engines.base import GenerationResult, InferenceEngine
 from rapo_ray.envs.suite import task_splits
 from rapo_ray.pipelines.expert import ScriptedExpertEngine
@@ -419,6 +423,13 @@ def test_arpo_branching_fills_group(tiny_cfg, tiny_tokenizer, tools, schedule):
             np.array_equal(t.response_ids[: t.branch_point], group[t.parent].response_ids[: t.branch_point])
             for t in branches
         )
+
+
+def test_each_configurable_schedule_name_runs_its_own_schedule():
+    """rollout.schedule's choices (config) and the loop's table agree name by name, whatever their order."""
+    assert set(agent_loop.SCHEDULES) == set(ROLLOUT_SCHEDULES)
+    assert agent_loop.SCHEDULES["lockstep"] is run_lockstep
+    assert agent_loop.SCHEDULES["per_trajectory"] is run_per_trajectory
 
 
 def test_per_trajectory_schedule_overlaps_tool_calls_with_decoding(tiny_tokenizer, tools):
