@@ -85,7 +85,7 @@ def phases(steps: list[dict], skip: int, max_staleness: int) -> dict:
 
 
 def table(report: dict) -> str:
-    cols = ("step_s", "rollout_s", "old_logprob_s", "update_s", "sync_s", "ahead_rollout_s", "learner_wait_s")
+    cols = WALL
     lines = [
         "| run | k | steps | "
         + " | ".join(cols)
