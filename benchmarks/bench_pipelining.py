@@ -25,7 +25,6 @@ Results: --out (JSON) and a markdown table.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -34,6 +33,7 @@ from types import SimpleNamespace
 from benchmarks.compare_algorithms import train_once
 from rapo_ray.core.devices import machine_record
 from rapo_ray.core.files import write_json_atomic
+from rapo_ray.training.reporting import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -102,7 +102,7 @@ def main() -> int:
         run_dir = train_once(f"k{k}-s{args.seed}", extra, args.seed, budget, Path(args.work))
         if run_dir is None:
             return 1
-        metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        metrics = read_metrics(run_dir)
         rows.append({"max_staleness": k, **step_times(metrics)})
     report = {
         "engine": {"token_ms": args.token_ms, "min_tokens": args.min_tokens, "max_tokens": args.max_tokens},

@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 from rapo_ray.core.net import short_temp_dir
+from rapo_ray.training.reporting import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("rollout_worker", "learner", "retrieval_replica", "serve_controller", "milvus", "driver")
@@ -432,11 +433,7 @@ def check(run: dict, ref: dict, group_size: int) -> dict:
         if mine is not None and (n := other_weights(mine, theirs)):
             out["other_weights"][int(f.stem.split("-")[1])] = n
     out["lost_groups"], out["duplicated_groups"] = lost, dup
-    metrics = {}
-    for line in (Path(run["run_dir"]) / "metrics.jsonl").read_text().splitlines():
-        m = json.loads(line)
-        if "reward" in m:
-            metrics[m["step"]] = m  # a replayed step's last record
+    metrics = {m["step"]: m for m in read_metrics(run["run_dir"], steps_only=True)}  # a replayed step's last record
     out["degraded"] = {k: m.get("retrieval_errors", 0) for k, m in sorted(metrics.items()) if m.get("retrieval_errors")}
     out["insert_errors"] = sum(m.get("insert_errors", 0) for m in metrics.values())
     # identical to the reference until a slot degraded or was rolled out by other weights (from then on it is

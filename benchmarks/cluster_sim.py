@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from rapo_ray.core.net import free_port, short_temp_dir
+from rapo_ray.training.reporting import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -342,7 +343,7 @@ def learner_loss(timeout: float) -> dict:
             raise SystemExit(1)
         summary = result["summary"]
         t_end = time.perf_counter()
-        metrics = [json.loads(l) for l in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+        metrics = read_metrics(summary["run_dir"])
         report = {
             "steps": summary["steps"],
             "learner_failures": summary["learner_failures"],

@@ -44,6 +44,7 @@ from rapo_ray.core.files import write_json_atomic
 from rapo_ray.envs import tasks as bundled
 from rapo_ray.model.factory import load_tokenizer, resolve_model_dir
 from rapo_ray.pipelines.sft import warm_start_dir
+from rapo_ray.training.reporting import read_metrics
 from rapo_ray.types import protocol
 
 REPO = Path(__file__).resolve().parents[1]
@@ -168,7 +169,7 @@ def run_one(method: str, seed: int, args, out: Path) -> dict | None:
     if run_dir is None:
         return None
     summary = json.loads((run_dir / "summary.json").read_text())
-    metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_metrics(run_dir)
     steps = [m for m in metrics if "reward" in m]
     box_record = json.loads(box.read_text()) if (box := run_dir / BOX_LOAD).is_file() else {}
     return {

@@ -63,6 +63,7 @@ from rapo_ray.config import load_config
 from rapo_ray.core.devices import machine_record
 from rapo_ray.pipelines.cold_start import checkpoint_named
 from rapo_ray.pipelines.sft import warm_start
+from rapo_ray.training.reporting import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 NO_TOOL_PROMPT = (
@@ -131,8 +132,7 @@ def ours(args, out: Path, repeat: int, model_dir: str) -> dict:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO).returncode
     if rc != 0:
         raise SystemExit(f"our run failed (exit {rc}); see {log}")
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in steps if "step_s" in m]
+    steps = read_metrics(run_dir, steps_only=True)
     reasons = [
         r
         for f in sorted((run_dir / "trajectories").glob("step-*.parquet"))

@@ -10,10 +10,10 @@ Per run, medians over the steps after the first ``--skip`` (step 1 warms the eng
 - CPU seconds from the actors' own process clocks: rollout_cpu_s (the fleet), update/cpu_s (all learner ranks, the
   old-policy pass included) and update/old_pass_cpu_s (that pass);
 - the engine: generated tokens / generate_s, and the trajectories of a step.
-The projection, for a run with max_staleness 0 that kept the old-policy pass: max(rollout, old-policy pass + update)
-+ sync, the step when the rollout of step t+1 fully overlaps the learners' work on step t and neither slows the
-other. Rolling out ahead needs the pass (the rows were sampled by older weights), so a run that skipped it has no
-projection: give a run of the same recipe that kept it.
+The projection, for a run with max_staleness 0: max(rollout, old-policy pass + update) + sync, the step when the
+rollout of step t+1 fully overlaps the learners' work on step t and neither slows the other. Rolling out ahead keeps
+or skips the pass as the synchronous run did (rapo_ray/algos/old_pass.py), so a run that skipped it projects with
+its old_logprob_s (building the learner batch only).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from pathlib import Path
 import yaml
 
 from rapo_ray.core.devices import machine_record
+from rapo_ray.core.errors import DataError
+from rapo_ray.training.reporting import read_metrics
 
 WALL = ("step_s", "rollout_s", "old_logprob_s", "update_s", "sync_s", "ahead_rollout_s", "learner_wait_s")
 CPU = ("rollout_cpu_s", "update/cpu_s", "update/old_pass_cpu_s")
@@ -34,14 +36,12 @@ CPU = ("rollout_cpu_s", "update/cpu_s", "update/old_pass_cpu_s")
 
 def read_steps(run_dir: Path) -> list[dict]:
     """The per-step rows of a run's metrics.jsonl (the held-out rows, without "reward", left out)."""
-    path = run_dir / "metrics.jsonl"
     try:
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"{run_dir}: no readable metrics.jsonl ({exc})") from None
-    steps = [r for r in rows if "reward" in r]
+        steps = read_metrics(run_dir, steps_only=True)
+    except DataError as exc:
+        raise SystemExit(str(exc)) from None
     if not steps:
-        raise SystemExit(f"{path}: no training steps in it")
+        raise SystemExit(f"{run_dir / 'metrics.jsonl'}: no training steps in it")
     return steps
 
 
@@ -79,7 +79,7 @@ def phases(steps: list[dict], skip: int, max_staleness: int) -> dict:
     skipped = any(s.get("update/old_pass_skipped", 0) for s in kept)
     out["old_pass_skipped"] = skipped
     w = out["wall"]
-    if max_staleness == 0 and not skipped and all(k in w for k in ("rollout_s", "old_logprob_s", "update_s")):
+    if max_staleness == 0 and all(k in w for k in ("rollout_s", "old_logprob_s", "update_s")):
         out["projected_k1_step_s"] = max(w["rollout_s"], w["old_logprob_s"] + w["update_s"]) + w.get("sync_s", 0.0)
     return out
 

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from rapo_ray.training.reporting import read_metrics
+
 REPO = Path(__file__).resolve().parents[1]
 KEYS = ("step_s", "rollout_s", "retrieve_s", "generate_s", "tool_s", "old_logprob_s", "update_s", "sync_s")
 
@@ -61,8 +63,7 @@ def main(argv=None) -> int:
             print(proc.stdout[-2000:] + proc.stderr[-2000:], file=sys.stderr)
             print(f"{key}={v}: the run failed (rc {proc.returncode})", file=sys.stderr)
             return 1
-        steps = [json.loads(x) for x in open(Path(args.runs) / name / "metrics.jsonl")]
-        steps = [m for m in steps if "step_s" in m and m["step"] > 1]
+        steps = [m for m in read_metrics(Path(args.runs) / name, steps_only=True) if m["step"] > 1]
         row = {"value": v, "wall_s": round(wall, 1), "steps": len(steps)}
         for k in KEYS:
             xs = [m[k] for m in steps if k in m]

@@ -1,16 +1,22 @@
 """Whether a step needs the learners' old-policy pass, or the update's own forward can stand in for it.
 
 PPO's ratio is pi_theta / pi_old, with pi_old the policy before the update. When the update makes exactly one
-optimizer step over the step's rows (one epoch, one mini-batch) and those rows were sampled by the learners' current
-weights (no staleness), the update's first and only forward runs at pi_old: a separate no-grad pass computes the same
-log-probs again, up to float rounding. The update then uses its own log-probs, detached, as pi_old (ratio 1, the
-clip inactive; the gradient is A * grad log pi, as with the pass) and hands them back, with the full-vocabulary
-entropies, for the metrics (``logprob_gap_*``, ``entropy``). TRL's GRPOTrainer skips the pass in the same case.
+optimizer step over the step's rows (one epoch, one mini-batch), the update's first and only forward runs at pi_old:
+a separate no-grad pass computes the same log-probs again, up to float rounding. The update then uses its own
+log-probs, detached, as pi_old (ratio 1, the clip inactive; the gradient is A * grad log pi, as with the pass) and
+hands them back, with the full-vocabulary entropies, for the metrics (``logprob_gap_*``, ``entropy``). TRL's
+GRPOTrainer skips the pass in the same case.
+
+Rows rolled out ahead (``algo.max_staleness >= 1``) do not change this. The pass never ran at the weights that
+sampled them: it runs at the learners' current weights, the proximal pi_old of the decoupled objective, just before
+the update, as the update's own forward does. The sampling (behaviour) policy's log-probs are the engine's, recorded
+with each token, and the behaviour correction (rapo_ray/algos/loss.py) weighs by pi_old / pi_behaviour with either
+source of pi_old alike (tests/ray/test_workers.py checks loss, gradients and weights with stale rows).
 
 The pass still runs when anything reads its values before the update (RAPO's retrieval reward reads the step
-entropies), or when the update's forward would not be at pi_old (several epochs or mini-batches: every optimizer step
-after the first; a bounded-staleness run, kept to the pass by design), or with the streaming_split feed, where rows
-reach the ranks dynamically and could not be put back in order.
+entropies), or when the update's forward would not be at pi_old (several epochs or mini-batches: every optimizer
+step after the first), or with the streaming_split feed, where rows reach the ranks dynamically and could not be put
+back in order.
 """
 
 from __future__ import annotations
@@ -39,8 +45,6 @@ def old_pass_reason(cfg, rows: int, algorithm: Algorithm) -> str | None:
     None when the update's own forward gives the same values (the pass is redundant and is skipped)."""
     if not cfg.learner.skip_redundant_old_pass:
         return "learner.skip_redundant_old_pass is off"
-    if cfg.algo.max_staleness > 0:
-        return f"algo.max_staleness={cfg.algo.max_staleness}: rows sampled by older weights"
     if algorithm.reads_step_entropies(cfg.algo):
         return f"{algorithm.name}'s estimator reads the old policy's step entropies before the update"
     return one_update_reason(cfg, rows)

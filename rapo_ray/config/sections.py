@@ -530,8 +530,9 @@ class LearnerConfig:
     skip_redundant_old_pass: bool = option(
         True,
         "Skip the old-policy forward pass when its log-probs equal the update's own: one PPO epoch, the step's rows "
-        "in one mini-batch, on-policy (algo.max_staleness 0), the default learner feed, and an algorithm whose "
-        "estimator reads no old-policy entropies (RAPO's retrieval reward does). The update then takes pi_old as "
+        "in one mini-batch, the default learner feed, and an algorithm whose estimator reads no old-policy "
+        "entropies (RAPO's retrieval reward does); with rows rolled out ahead too (algo.max_staleness >= 1: the "
+        "pass, like the update, runs at the current weights). The update then takes pi_old as "
         "its own log-probs, detached (ratio 1, the same loss and gradients), and returns them and the entropies for "
         "the step's metrics (rapo_ray/algos/old_pass.py; update/old_pass_skipped). TRL skips it alike.",
     )

@@ -10,6 +10,7 @@ import torch
 
 from rapo_ray.agent.evaluation import paired_change
 from rapo_ray.config import Config
+from rapo_ray.core.errors import DataError
 from rapo_ray.core.metrics import mean_or_zero
 from rapo_ray.envs.suite import family_of
 from rapo_ray.training.dynamic_sampling import groups_with_signal
@@ -170,6 +171,31 @@ class MetricsLog:
             except Exception as exc:
                 self._log(f"metrics sink {sink.name} did not close cleanly: {exc!r}")
         self.sinks = []
+
+
+def read_metrics(run_dir: Path | str, steps_only: bool = False) -> list[dict]:
+    """The records of a run folder's ``metrics.jsonl`` (what ``MetricsLog`` wrote), in the order logged. A training
+    step's record has ``reward`` (and the stage times); a held-out evaluation's has ``step`` and ``eval/*`` only.
+    ``steps_only``: the training steps' records, the last one of each step (a step replayed after a driver resume
+    logs again), by step. Raises ``DataError`` naming the file and line when the file is missing or a line does not
+    parse (benchmarks and reports read runs through this one function)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read the run's metrics log ({exc.strerror or exc})") from None
+    records = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}:{n}: not a JSON record ({exc.msg})") from None
+    if not steps_only:
+        return records
+    by_step = {int(r.get("step", 0)): r for r in records if "reward" in r}
+    return [by_step[s] for s in sorted(by_step)]
 
 
 # ---------------------------------------------------------------- held-out results

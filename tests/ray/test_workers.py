@@ -472,19 +472,23 @@ def test_micro_batches_accumulate_to_the_same_update(ray_session, fleet_cfg, tin
     assert moved > 1e-3 and gap < 1e-4 * moved
 
 
+@pytest.mark.parametrize("correction", ["none", "truncate"])
 def test_the_update_standing_in_for_the_old_pass_gives_the_same_loss_gradients_and_values(
-    ray_session, fleet_cfg, tiny_model_dir
+    ray_session, fleet_cfg, tiny_model_dir, correction
 ):
-    """One optimizer step on fresh rows (rapo_ray/algos/old_pass.py): the update whose own log-probs, detached,
-    are pi_old gives the loss, the gradient norm and the new weights that the separate old-policy pass gives, and
-    hands back that pass's log-probs and entropies; in 2-row micro-batches, as the trainer splits a rank's rows."""
+    """One optimizer step over the step's rows (rapo_ray/algos/old_pass.py): the update whose own log-probs,
+    detached, are pi_old gives the loss, the gradient norm and the new weights that the separate old-policy pass
+    gives, and hands back that pass's log-probs and entropies; in 2-row micro-batches, as the trainer splits a rank's
+    rows. ``truncate``: rows rolled out ahead by older weights (algo.max_staleness=1), whose engine log-probs differ
+    from pi_old by up to 1 nat, so that some behaviour weights pi_old / pi_behaviour are cut at the cap of 2."""
     from dataclasses import asdict, replace
 
     from rapo_ray.core.metrics import merge_actor_stats
     from rapo_ray.core.net import free_port
     from rapo_ray.workers.learner import LearnerWorker
 
-    cfg = replace(fleet_cfg, learner=replace(fleet_cfg.learner, lr=3e-3, world_size=1))
+    algo = replace(fleet_cfg.algo, behaviour_correction=correction, behaviour_cap=2.0)
+    cfg = replace(fleet_cfg, algo=algo, learner=replace(fleet_cfg.learner, lr=3e-3, world_size=1))
     batch, denominator = _four_rows(tiny_model_dir)
     full = batch.with_signal({"advantage": [1.0, -1.0, 0.5, -0.5], "shaping": [1.0] * 4})
     results = []
@@ -495,6 +499,9 @@ def test_the_update_standing_in_for_the_old_pass_gives_the_same_loss_gradients_a
         try:
             ((old, ent),) = ray.get(actor.forward_old.remote([batch]))["passes"]  # before the update: pi_old
             mini = replace(full, old_logprobs=None if skip else from_numpy(old))
+            if correction != "none":  # the engine's log-probs: pi_old shifted by -1 .. +0.2 nats
+                gap = torch.tensor([0.5, 1.0, -0.2, 0.3, 0.4, 0.7])[torch.arange(old.shape[1]) % 6]
+                mini.behaviour_logprobs = (from_numpy(old) - gap) * mini.loss_mask
             micro = [mini.select([0, 1]), mini.select([2, 3])]
             out = ray.get(actor.update.remote([(micro, denominator)], skip))
             stats, passes = out if skip else (out, None)
@@ -506,6 +513,10 @@ def test_the_update_standing_in_for_the_old_pass_gives_the_same_loss_gradients_a
     (with_pass, after_pass, old, ent, _), (skipped, after_skip, _, _, passes) = results
     assert skipped["loss_sum"] == pytest.approx(with_pass["loss_sum"], abs=1e-6)
     assert skipped["grad_norm"] == pytest.approx(with_pass["grad_norm"], rel=1e-5)
+    if correction != "none":  # the same weights, some of them at the cap
+        assert skipped["behaviour_weight_mean"] == pytest.approx(with_pass["behaviour_weight_mean"], rel=1e-5)
+        assert skipped["behaviour_capped_frac"] == with_pass["behaviour_capped_frac"] > 0
+        assert with_pass["behaviour_weight_mean"] > 1.3  # exp(gap): 1.65, 2 (cut), 0.82, 1.35, 1.49, 2 (cut)
     moved = float((after_pass - from_numpy(old)).abs().max())
     assert moved > 1e-3 and float((after_skip - after_pass).abs().max()) < 1e-4 * moved
     # the values handed back are the pass's, row by row (each micro-batch trimmed to its longest row)

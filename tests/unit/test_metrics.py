@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from rapo_ray.config import Config
-from rapo_ray.core.errors import ConfigError
+from rapo_ray.core.errors import ConfigError, DataError
 from rapo_ray.core.metrics import RunMetrics, StageTimer, actor_stats, gc_clock, merge_actor_stats
-from rapo_ray.training.reporting import MetricsLog
+from rapo_ray.training.reporting import MetricsLog, read_metrics
 
 
 def _wandb_history(run_path: Path) -> dict[str, list[dict]]:
@@ -156,6 +156,29 @@ def test_a_sink_failing_mid_run_is_dropped_and_the_jsonl_goes_on(tmp_path):
     log.close()
     assert broken.calls == 1 and len(said) == 1 and "broken failed at step 1" in said[0]
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_read_metrics_gives_what_metrics_log_wrote_and_each_steps_last_record(tmp_path):
+    log = MetricsLog(tmp_path, _sink_cfg())
+    records = [
+        {"step": 1, "reward": 0.1, "step_s": 2.0},
+        {"step": 2, "reward": 0.2, "step_s": 2.5},
+        {"step": 2, "eval/mean_accuracy": 0.5},  # a held-out evaluation: no "reward"
+        {"step": 2, "reward": 0.3, "step_s": 2.4},  # step 2 again, as a resumed driver replays it
+    ]
+    for r in records:
+        log.log(r)
+    log.close()
+    assert read_metrics(tmp_path) == records
+    assert read_metrics(str(tmp_path), steps_only=True) == [records[0], records[3]]
+
+
+def test_read_metrics_names_the_file_and_line_it_cannot_read(tmp_path):
+    with pytest.raises(DataError, match=r"metrics\.jsonl: cannot read"):
+        read_metrics(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward": 0.0}\n\n{"step": 2, "rew\n')
+    with pytest.raises(DataError, match=r"metrics\.jsonl:3: not a JSON record"):
+        read_metrics(tmp_path)
 
 
 def test_a_sink_that_cannot_start_names_itself(tmp_path):

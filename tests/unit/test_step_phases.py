@@ -55,19 +55,20 @@ def test_medians_after_the_warm_up_and_the_overlap_projection(tmp_path):
     assert r["projected_k1_step_s"] == pytest.approx(29.5)
 
 
-def test_no_projection_without_the_old_pass_or_when_already_ahead(tmp_path):
-    skipped = write_run(tmp_path / "skip", [step(1, 8.0, 0.0, 20.0, skipped=1), step(2, 8.0, 0.0, 20.0, skipped=1)])
+def test_a_skipped_pass_projects_without_it_and_a_run_already_ahead_not_at_all(tmp_path):
+    skipped = write_run(tmp_path / "skip", [step(1, 8.0, 0.1, 20.0, skipped=1), step(2, 8.0, 0.1, 20.0, skipped=1)])
     ahead = write_run(tmp_path / "k1", [step(1, 8.0, 6.0, 20.0), step(2, 8.0, 6.0, 20.0)], max_staleness=1)
     r_skip = phases(read_steps(skipped), 1, staleness_of(skipped))
     r_ahead = phases(read_steps(ahead), 1, staleness_of(ahead))
-    assert r_skip["old_pass_skipped"] and "projected_k1_step_s" not in r_skip
+    # rolled out ahead, the pass stays skipped: max(rollout 8, 0.1 + update 20) + sync 0.5
+    assert r_skip["old_pass_skipped"] and r_skip["projected_k1_step_s"] == pytest.approx(20.6)
     assert r_ahead["max_staleness"] == 1 and "projected_k1_step_s" not in r_ahead
 
 
 def test_bad_runs_and_skips_are_named(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(SystemExit, match="no readable metrics.jsonl"):
+    with pytest.raises(SystemExit, match="metrics.jsonl: cannot read the run.s metrics log"):
         read_steps(empty)
     only_eval = write_run(tmp_path / "eval-only", [])
     with pytest.raises(SystemExit, match="no training steps"):
