@@ -30,7 +30,6 @@ def test_two_rapo_steps_of_the_real_model_recipe(ray_session, smollm2_dir, tmp_p
             f"run.output_dir={tmp_path}",
             "run.name=smollm2",
             "run.progress=false",
-            "tasks.train_size=64",
             "tasks.test_size=4",
             "cold_start.examples=8",
             "cold_start.steps=2",
