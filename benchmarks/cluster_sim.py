@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 from rapo_ray.core.net import free_port, short_temp_dir
-from rapo_ray.training.reporting import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -343,7 +342,9 @@ def learner_loss(timeout: float) -> dict:
             raise SystemExit(1)
         summary = result["summary"]
         t_end = time.perf_counter()
-        metrics = read_metrics(summary["run_dir"])
+        # not rapo_ray.training.reporting.read_metrics: importing it imports Ray, which must come after the
+        # token-auth environment is set (local_cluster)
+        metrics = [json.loads(l) for l in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
         report = {
             "steps": summary["steps"],
             "learner_failures": summary["learner_failures"],
