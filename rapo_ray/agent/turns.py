@@ -104,7 +104,7 @@ class AgentTurns:
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
     def prompt_ids(self, question: str) -> list[int]:
-        if getattr(self.tok, "chat_template", None) and protocol.ASSISTANT not in self.tok.get_vocab():
+        if protocol.uses_chat_template(self.tok):
             msgs = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": question}]
             return list(
                 self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -117,7 +117,7 @@ class AgentTurns:
         system = self.system_prompt
         if msgs and msgs[0]["role"] == "system":
             system, msgs = msgs[0]["content"], msgs[1:]
-        if getattr(self.tok, "chat_template", None) and protocol.ASSISTANT not in self.tok.get_vocab():
+        if protocol.uses_chat_template(self.tok):
             full = [{"role": "system", "content": system}] + msgs
             return list(
                 self.tok.apply_chat_template(full, add_generation_prompt=True, tokenize=True, return_dict=False)

@@ -424,6 +424,11 @@ def build_buffer(cfg, model_dir: str, uri: str, tasks: list, manifest: Path, log
         f"step-trace buffer: {total} steps in {collection!r} ({report.steps} written now, "
         f"{report.skipped_questions} questions already done) in {report.seconds:.0f} s"
     )
+    if total == 0:  # a run goes on without retrieval (a weak starting policy may call no tool), but says so
+        log(
+            f"step-trace buffer {collection!r} is EMPTY: no {buffer_source(cfg)} sample of its {len(tasks)} "
+            "questions gave a step, so hybrid slots will retrieve nothing"
+        )
     return report
 
 

@@ -49,6 +49,7 @@ class ScriptedExpertEngine(InferenceEngine):
         self.tok = tokenizer
         self.error_rate = error_rate
         self.rng = random.Random(seed)
+        self.frame = protocol.question_frame(tokenizer)  # the bundled frame, or a real model's chat template
 
     def load_weights(self, state_dict, version):
         raise NotImplementedError("the scripted expert has no weights")
@@ -67,8 +68,9 @@ class ScriptedExpertEngine(InferenceEngine):
     # ------------------------------------------------------------ the policy
 
     def next_step(self, context: str) -> str:
-        question = context.split(protocol.USER, 1)[-1].split(protocol.ASSISTANT, 1)[0]
-        response = context.split(protocol.ASSISTANT, 1)[-1]
+        before, after = self.frame
+        question = context.split(before, 1)[-1].split(after, 1)[0]
+        response = context.split(after, 1)[-1]
         plan = arith_plan(question)
         if plan is not None:
             results = self._steps_done(response, lambda results: self._arith_call(plan, results))

@@ -73,6 +73,26 @@ def render_prompt(question: str, system: str = SYSTEM_PROMPT) -> str:
     return f"{BOS}{SYSTEM}{system}{USER}{question}{ASSISTANT}"
 
 
+def uses_chat_template(tokenizer) -> bool:
+    """A real checkpoint's tokenizer: it brings a chat template and not the bundled model's frame tokens."""
+    return bool(getattr(tokenizer, "chat_template", None)) and ASSISTANT not in tokenizer.get_vocab()
+
+
+def question_frame(tokenizer) -> tuple[str, str]:
+    """The text just before and just after the user's question in a rendered prompt (system prompt, then the
+    question): how a reader of the prompt text (the scripted expert) finds the question under any chat template."""
+    if not uses_chat_template(tokenizer):
+        return USER, ASSISTANT
+    system, question = "\x01system\x01", "\x02question\x02"  # marks no template writes itself
+    text = tokenizer.apply_chat_template(
+        [{"role": "system", "content": system}, {"role": "user", "content": question}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    before, after = text.split(system, 1)[1].split(question, 1)
+    return before, after
+
+
 def render_conversation(messages, system: str = SYSTEM_PROMPT) -> str:
     """A multi-turn chat in the bundled model's frame: user turns after ``<|user|>``, earlier assistant turns
     closed by ``<|eos|>``; ends where the assistant starts generating."""

@@ -523,10 +523,9 @@ def test_paired_change_counts_flips_and_sign_test():
     assert paired_change({"a": True}, {"a": True})["p_value"] == 1.0
 
 
-def test_a_chat_template_tokenizer_gives_the_prompt_token_ids():
-    """A real checkpoint's tokenizer (no protocol frame tokens, a chat template): transformers 5's
-    ``apply_chat_template(tokenize=True)`` returns a ``BatchEncoding`` by default, and ``list()`` of it was its keys
-    ('input_ids', 'attention_mask'), which crashed the first rollout of every real model (issue #37)."""
+def _chat_template_tokenizer():
+    """A real checkpoint's kind of tokenizer, in small: byte-level BPE without the protocol's frame tokens, and a
+    ChatML chat template (SmolLM2's frame)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -546,6 +545,14 @@ def test_a_chat_template_tokenizer_gives_the_prompt_token_ids():
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
+    return tok
+
+
+def test_a_chat_template_tokenizer_gives_the_prompt_token_ids():
+    """A real checkpoint's tokenizer (no protocol frame tokens, a chat template): transformers 5's
+    ``apply_chat_template(tokenize=True)`` returns a ``BatchEncoding`` by default, and ``list()`` of it was its keys
+    ('input_ids', 'attention_mask'), which crashed the first rollout of every real model (issue #37)."""
+    tok = _chat_template_tokenizer()
     loop = AgentLoop(None, tok, None, settings(system_prompt="Use the tools."))
     ids = loop.prompt_ids("What is 2 + 3?")
     assert all(isinstance(i, int) for i in ids)
@@ -555,3 +562,23 @@ def test_a_chat_template_tokenizer_gives_the_prompt_token_ids():
     )
     asked = loop.messages_prompt_ids([{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}])
     assert tok.decode(asked).startswith("<|im_start|>system\nS<|im_end|>") and all(isinstance(i, int) for i in asked)
+
+
+def test_the_scripted_expert_reads_the_question_under_a_chat_template(tiny_tokenizer):
+    """The expert finds the question between the template's markers: under a real model's chat template it used to
+    look for the bundled frame's ``<|user|>``, read no question and answer "unknown" to everything, so
+    ``retrieval.buffer_source=scripted-expert`` with a real model built an empty buffer."""
+    from rapo_ray.types.protocol import question_frame
+
+    tok = _chat_template_tokenizer()
+    assert question_frame(tok) == ("<|im_end|>\n<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n")
+    question = "Ava has 537 coins. Ava buys 12 boxes of 45 coins. How many coins does Ava have now?"
+    prompt = tok.decode(AgentLoop(None, tok, None, settings(system_prompt="Use the tools.")).prompt_ids(question))
+    expert = ScriptedExpertEngine(tok)
+    assert expert.next_step(prompt) == "<think>compute 537 + 12 * 45</think><python>print(537 + 12 * 45)</python>"
+    # after its call's result it answers from that result
+    step = expert.next_step(prompt + "<think>compute 537 + 12 * 45</think><python>print(537 + 12 * 45)</python>"
+                            "<result>1077</result>")  # fmt: skip
+    assert step.endswith("<answer>\\boxed{1077}</answer>")
+    # the bundled model's frame is read as before
+    assert question_frame(tiny_tokenizer) == ("<|user|>", "<|assistant|>")

@@ -61,6 +61,11 @@ def test_default_collection_is_named_by_what_the_buffer_is_built_for(tiny_cfg, t
     # the builder is never handed an unresolved name (it would write a collection called "")
     with pytest.raises(StoreError, match="retrieval.collection is empty.*with_buffer_collection"):
         build_buffer(tiny_cfg, str(tiny_model_dir), str(tmp_path / "b.db"), [], tmp_path / "m.json")
+    # a build that stored no step says so on the console (the run goes on, its hybrid slots retrieving nothing)
+    said = []
+    build_buffer(resolved, str(tiny_model_dir), str(tmp_path / "b.db"), [], tmp_path / "m.json", log=said.append)
+    assert said[-1] == f"step-trace buffer {name!r} is EMPTY: no scripted-expert sample of its 0 questions gave a " \
+        "step, so hybrid slots will retrieve nothing"  # fmt: skip
 
 
 def test_buffer_source_and_questions(tiny_cfg):
