@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from rapo_ray.core.errors import ModelLoadError
+
 THINK = ("<think>", "</think>")
 PYTHON = ("<python>", "</python>")
 SEARCH = ("<search>", "</search>")
@@ -89,6 +91,11 @@ def question_frame(tokenizer) -> tuple[str, str]:
         add_generation_prompt=True,
         tokenize=False,
     )
+    if system not in text or question not in text.split(system, 1)[1]:
+        raise ModelLoadError(
+            f"the tokenizer's chat template does not render a system message followed by the user's message "
+            f"(it gave {text!r}); the agent loop's prompts need both"
+        )
     before, after = text.split(system, 1)[1].split(question, 1)
     return before, after
 

@@ -568,6 +568,7 @@ def test_the_scripted_expert_reads_the_question_under_a_chat_template(tiny_token
     """The expert finds the question between the template's markers: under a real model's chat template it used to
     look for the bundled frame's ``<|user|>``, read no question and answer "unknown" to everything, so
     ``retrieval.buffer_source=scripted-expert`` with a real model built an empty buffer."""
+    from rapo_ray.core.errors import ModelLoadError
     from rapo_ray.types.protocol import question_frame
 
     tok = _chat_template_tokenizer()
@@ -582,3 +583,7 @@ def test_the_scripted_expert_reads_the_question_under_a_chat_template(tiny_token
     assert step.endswith("<answer>\\boxed{1077}</answer>")
     # the bundled model's frame is read as before
     assert question_frame(tiny_tokenizer) == ("<|user|>", "<|assistant|>")
+    # a template that drops the system message is named, not misread
+    tok.chat_template = "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    with pytest.raises(ModelLoadError, match="does not render a system message followed by the user's message"):
+        question_frame(tok)
