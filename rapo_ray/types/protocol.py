@@ -91,12 +91,13 @@ def question_frame(tokenizer) -> tuple[str, str]:
         add_generation_prompt=True,
         tokenize=False,
     )
-    if system not in text or question not in text.split(system, 1)[1]:
+    _, found_system, rest = text.partition(system)
+    before, found_question, after = rest.partition(question)
+    if not (found_system and found_question):
         raise ModelLoadError(
             f"the tokenizer's chat template does not render a system message followed by the user's message "
             f"(it gave {text!r}); the agent loop's prompts need both"
         )
-    before, after = text.split(system, 1)[1].split(question, 1)
     return before, after
 
 

@@ -9,8 +9,6 @@ would give an empty buffer."""
 from __future__ import annotations
 
 import json
-import re
-from dataclasses import replace
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -18,7 +16,7 @@ import pyarrow.parquet as pq
 from rapo_ray.config import load_config
 from rapo_ray.launch.launcher import run
 from rapo_ray.model.factory import load_tokenizer
-from rapo_ray.pipelines.buffer import manifest_path
+from rapo_ray.pipelines.buffer import manifest_path, with_buffer_collection
 from rapo_ray.types import protocol
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,7 +62,8 @@ def test_two_rapo_steps_of_the_real_model_recipe(ray_session, smollm2_dir, tmp_p
     # the torch engine and the fp32 learner score the sampled tokens alike
     assert all(0 <= m["logprob_gap_max"] < 1e-3 for m in steps), [m["logprob_gap_max"] for m in steps]
     assert summary["paired_change"]["arith"]["n"] == 4
-    cold = json.loads(next(Path(cfg.run.artifacts_dir).glob("cold-start-*/built_on.json")).read_text())
+    (cold_dir,) = Path(cfg.run.artifacts_dir).glob("cold-start-*")  # the starting policy, the buffer built for it
+    cold = json.loads((cold_dir / "built_on.json").read_text())
     assert cold["demonstrations"]["read"] == 8 and cold["steps"] == 2
     # dynamic sampling: the groups trained on are those with signal (or, with none, the first draw), a group each
     tok = load_tokenizer(smollm2_dir)
@@ -81,8 +80,7 @@ def test_two_rapo_steps_of_the_real_model_recipe(ray_session, smollm2_dir, tmp_p
     prompt = tok.decode(rows[0]["prompt_ids"])
     assert prompt.startswith("<|im_start|>system\n" + protocol.SYSTEM_PROMPT)
     # the buffer: the expert's python steps on the first 8 RL questions, in the collection named by its fingerprint
-    (collection,) = {m.group(1) for line in said if (m := re.match(r"step-trace buffer: \d+ steps in '(\w+)'", line))}
-    built = json.loads(manifest_path(replace(cfg, retrieval=replace(cfg.retrieval, collection=collection))).read_text())
+    built = json.loads(manifest_path(with_buffer_collection(cfg, str(cold_dir))).read_text())
     assert built["built_for"]["retrieval.buffer_source"] == "scripted-expert" and 5 <= len(built["questions"]) <= 8
     # the last 2 slots of each group are hybrid; every retrieval the metrics count is a retrieved block in a row,
     # and each block is a stored expert step (a python call and its result)
