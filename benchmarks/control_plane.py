@@ -207,6 +207,9 @@ class PackedSpawner:
         if not alive:
             ray.kill(engine.host, no_restart=True)
 
+    def release(self, engine: PackedEngine) -> None:
+        """(The fleet dropped the engine; its host goes when ``kill`` has taken all of its engines.)"""
+
 
 class StubLearner(SyncMember):
     """Learner rank 0 of the sync group: sends a ``kb`` model (one float32 tensor) the way the real ranks do."""

@@ -17,6 +17,8 @@ Checks (each PASS / FAIL / SKIP with its numbers):
 - one learner update (world size 1, NCCL on CUDA, gloo on CPU, FSDP2) in bf16 mixed precision at the paper's
   lr 1e-6: finite loss and gradient norm, fp32 master weights that moved;
 - the updated weights loaded into the engine: the engine's logprobs equal the updated model's;
+- the colocated handoff (``resources.colocate``): the updated weights exported as a learner rank does and read by
+  another process, bit for bit (CUDA IPC on a GPU, /dev/shm on the CPU);
 - vLLM (where it imports, CUDA only): greedy == ``generate`` and the same weight load;
 - throughput: torch engine vs ``generate`` tokens/s at batch 16/64/256 (the model's dtype: bf16 on CUDA);
 - the learner's compute at a recipe's shape (``--learner-shape``, default 8 rows x 640 tokens, micro-batches of 2):
@@ -336,6 +338,66 @@ def check_weight_load(model_dir, tok, device, state: dict, n_prompts: int, new_t
     return {"engine_version": engine.version, "logprob_gap_vs_updated_model": gap, "ok": gap < 1e-3}
 
 
+def _digests(state: dict) -> dict[str, str]:
+    """sha256 of each tensor's bytes (bf16 included: hashed as raw bytes)."""
+    import hashlib
+
+    return {
+        k: hashlib.sha256(v.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+        for k, v in state.items()
+    }
+
+
+def _import_in_child(segments, answer) -> None:
+    """The engine's side of the colocated handoff, in a process of its own (as a rollout worker is): open the
+    learner's segment (a CUDA IPC handle on CUDA, a /dev/shm file on the CPU), read the state dict, hash it."""
+    from rapo_ray.workers.colocated import SegmentImporter
+
+    t0 = time.perf_counter()
+    version, got = SegmentImporter().state_dict(segments)
+    if got and next(iter(got.values())).is_cuda:
+        torch.cuda.synchronize()
+    answer.put({"version": version, "import_ms": (time.perf_counter() - t0) * 1000, "digests": _digests(got)})
+
+
+def check_colocated(device, state: dict, wire_dtype: str) -> dict:
+    """The colocated weight handoff (``resources.colocate``, rapo_ray/workers/colocated.py): this process exports the
+    updated weights as a learner rank of one does; a child process imports them and must read every tensor bit for
+    bit in the wire dtype. On CUDA the bytes stay on the GPU (IPC), on the CPU they go through /dev/shm."""
+    if not state:
+        raise Skip("the learner update did not run")
+    import multiprocessing as mp
+
+    from rapo_ray.workers.colocated import ColocatedSync, SegmentExporter
+
+    weights = {k: v.to(device) for k, v in state.items()}
+    entries = [(k, tuple(v.shape), wire_dtype, ()) for k, v in weights.items()]
+    exporter, prefix = SegmentExporter(0), ColocatedSync().prefix
+    try:
+        t0 = time.perf_counter()
+        seg = exporter.export(1, entries, weights.__getitem__, 1, prefix, device)
+        export_ms = (time.perf_counter() - t0) * 1000
+        ctx = mp.get_context("spawn")
+        answer = ctx.Queue()
+        child = ctx.Process(target=_import_in_child, args=([seg], answer))
+        child.start()
+        got = answer.get(timeout=300)
+        child.join(60)
+    finally:
+        exporter.close()
+    want = _digests({k: v.to(getattr(torch, wire_dtype)) for k, v in weights.items()})
+    same = sum(got["digests"].get(k) == d for k, d in want.items())
+    return {
+        "kind": seg.kind,
+        "wire_dtype": wire_dtype,
+        "mb": round(seg.nbytes / 1e6, 1),
+        "export_ms": round(export_ms, 1),
+        "import_ms_in_child": round(got["import_ms"], 1),
+        "tensors_equal": f"{same}/{len(want)}",
+        "ok": got["version"] == 1 and same == len(want) and seg.kind == ("cuda" if device.type == "cuda" else "shm"),
+    }
+
+
 def check_vllm(model_dir, tok, device, state: dict, n_prompts: int, new_tokens: int) -> dict:
     if device.type != "cuda":
         raise Skip("vLLM is checked on CUDA only (its CPU build is covered by the test suite)")
@@ -571,6 +633,11 @@ def main(argv=None) -> int:
     run_check(
         "weights: learner -> torch engine",
         lambda: check_weight_load(model_dir, tok, device, state, n_prompts, new_tokens),
+        report,
+    )
+    run_check(
+        "colocated: learner -> engine by shared memory",
+        lambda: check_colocated(device, state, "bfloat16" if device.type == "cuda" else "float32"),
         report,
     )
     run_check(

@@ -85,6 +85,25 @@ class Config:
             f"retrieval.buffer_source=scripted-expert solves only the bundled families, not tasks.data_files "
             f"{self.tasks.data_files}; use retrieval.buffer_source=policy (the starting policy samples the buffer)",
         )
+        if self.resources.colocate is True:
+            require(
+                r.num_workers <= self.learner.world_size and not r.autoscale,
+                f"resources.colocate=true places each rollout worker beside one learner rank: rollout.num_workers "
+                f"({r.num_workers}) must be <= learner.world_size ({self.learner.world_size}) and rollout.autoscale "
+                f"({r.autoscale}) must be false",
+            )
+            require(
+                self.resources.colocated_gpus <= 1,
+                f"resources.colocate=true puts a learner rank and its rollout worker on one GPU: "
+                f"resources.gpus_per_learner ({self.resources.gpus_per_learner}) and gpus_per_rollout_worker "
+                f"({self.resources.gpus_per_rollout_worker}) must be <= 1",
+            )
+            require(
+                self.resources.colocated_gpus == 0 or self.learner.world_size == 1,
+                f"resources.colocate=true on GPUs takes learner.world_size=1 (one shared GPU; got "
+                f"{self.learner.world_size}): an engine opens its learner's CUDA buffer by IPC, which names the device "
+                "as the learner sees it",
+            )
         require(
             not (self.retrieval.buffer_source == "solutions" and not self.tasks.data_files),
             "retrieval.buffer_source=solutions reads the human solutions of tasks.data_files, and none is set",

@@ -605,6 +605,26 @@ class ResourcesConfig:
         "How long to wait for learners and rollout workers to be placed; on an autoscaling cloud cluster, allow for "
         "node boot (e.g. 900).",
     )
+    colocate: bool | str = option(
+        "auto",
+        "Learner rank r and rollout worker r share one placement-group bundle (one GPU, fractional num_gpus), on one "
+        "machine, and the weights go through shared memory (CUDA IPC on a GPU, /dev/shm on the CPU) instead of the "
+        "network sync. Needs rollout.num_workers <= learner.world_size and a fixed fleet. auto: on when the cluster "
+        "has exactly one GPU and the run asks for GPUs (verl's hybrid engine, OpenRLHF's colocated mode).",
+        (True, False, "auto"),
+    )
+
+    @property
+    def colocated_gpus(self) -> float:
+        """GPUs of one colocated bundle: the larger ask of the pair (both on one device)."""
+        return max(self.gpus_per_learner, self.gpus_per_rollout_worker)
+
+    def colocated_shares(self) -> tuple[float, float]:
+        """(learner's, rollout worker's) num_gpus inside a colocated bundle: halves of it when both ask for a GPU
+        (Ray gives both the same device), else each its own ask."""
+        if self.gpus_per_learner > 0 and self.gpus_per_rollout_worker > 0:
+            return self.colocated_gpus / 2, self.colocated_gpus / 2
+        return self.gpus_per_learner, self.gpus_per_rollout_worker
 
     def validate(self) -> None:
         for key in ("cpus_per_rollout_worker", "gpus_per_rollout_worker", "cpus_per_learner", "gpus_per_learner"):

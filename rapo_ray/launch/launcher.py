@@ -30,7 +30,13 @@ from rapo_ray.core.local_ray import init_local_ray
 from rapo_ray.core.metrics import StageTimer
 from rapo_ray.core.net import free_port
 from rapo_ray.launch import ray_reaper
-from rapo_ray.launch.plan import fit_cpus, hybrid_slots, learners_start_before_buffer, resource_needs
+from rapo_ray.launch.plan import (
+    fit_cpus,
+    hybrid_slots,
+    learners_start_before_buffer,
+    resolve_colocate,
+    resource_needs,
+)
 from rapo_ray.model.factory import set_torch_threads
 from rapo_ray.pipelines.buffer import buffer_questions, build_buffer, manifest_path, with_buffer_collection
 from rapo_ray.pipelines.cold_start import built_cold_start, cold_start
@@ -148,11 +154,15 @@ def check_resources(cfg: Config, log=print) -> None:
         return  # nodes come when asked for
     total = ray.cluster_resources()
     cpus, gpus = total.get("CPU", 0), total.get("GPU", 0)
+    colocated = resolve_colocate(cfg, gpus)
+    if colocated:
+        log(colocated)
     need = resource_needs(cfg)
     if need.gpus_start > gpus:
         raise ConfigError(
             f"resources: the run needs {need.gpus_start:g} GPUs (learner.world_size x resources.gpus_per_learner + "
-            f"rollout.num_workers x resources.gpus_per_rollout_worker + retrieval.min_replicas x retrieval.num_gpus) "
+            f"rollout.num_workers x resources.gpus_per_rollout_worker + retrieval.min_replicas x retrieval.num_gpus; "
+            f"colocated, a learner rank and its worker share one) "
             f"but the cluster has {gpus:g}"
         )
     fitted = fit_cpus(cfg, cpus)
@@ -537,6 +547,7 @@ def finish_run(cfg: Config, parts: RunParts, before: dict, before_problems: dict
         "before": before,
         "after": after,
         "paired_change": change,
+        "weight_sync": trainer.sync.kind,  # resources.colocate: shared memory, else the network sync
         "mean_step_s": metrics.mean("step_s"),
         "startup_s": {stage: round(s, 2) for stage, s in parts.startup.seconds.items()},
         "machine": machine_record(),

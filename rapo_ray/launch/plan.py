@@ -39,20 +39,48 @@ def hybrid_slots(cfg: Config) -> int:
 
 
 def resource_needs(cfg: Config) -> ResourceNeeds:
+    """Colocated (``resources.colocate`` true), each learner rank's bundle holds its rollout worker and the pair's
+    one GPU share: the fleet adds CPUs but no GPUs, and never grows."""
     rc, lc, ro = cfg.resources, cfg.learner, cfg.rollout
     retrieval_gpu = cfg.retrieval.num_gpus if hybrid_slots(cfg) else 0.0
-    learner_gpus = lc.world_size * rc.gpus_per_learner
+    colocated = rc.colocate is True
+    learner_gpus = lc.world_size * (rc.colocated_gpus if colocated else rc.gpus_per_learner)
+    worker_gpus = 0.0 if colocated else rc.gpus_per_rollout_worker
+    max_workers = ro.num_workers if colocated else ro.max_workers
     return ResourceNeeds(
         learner_cpus=lc.world_size * rc.cpus_per_learner,
         learner_gpus=learner_gpus,
         rollout_cpus_start=ro.num_workers * rc.cpus_per_rollout_worker,
-        rollout_cpus_max=ro.max_workers * rc.cpus_per_rollout_worker,
-        gpus_start=learner_gpus
-        + ro.num_workers * rc.gpus_per_rollout_worker
-        + retrieval_gpu * cfg.retrieval.min_replicas,
-        gpus_max=learner_gpus
-        + ro.max_workers * rc.gpus_per_rollout_worker
-        + retrieval_gpu * cfg.retrieval.max_replicas,
+        rollout_cpus_max=max_workers * rc.cpus_per_rollout_worker,
+        gpus_start=learner_gpus + ro.num_workers * worker_gpus + retrieval_gpu * cfg.retrieval.min_replicas,
+        gpus_max=learner_gpus + max_workers * worker_gpus + retrieval_gpu * cfg.retrieval.max_replicas,
+    )
+
+
+def resolve_colocate(cfg: Config, cluster_gpus: float) -> str | None:
+    """Decide ``resources.colocate=auto`` for a cluster with ``cluster_gpus`` GPUs: on where there is exactly one
+    GPU and the run asks for GPUs (a learner and an engine can then only share it). Sets the field to True or
+    False; returns what was decided when auto turned it on (None otherwise). ConfigError when auto would colocate
+    a run whose fleet cannot be paired with the learner ranks."""
+    rc = cfg.resources
+    if rc.colocate != "auto":
+        return None
+    asks_gpus = rc.gpus_per_learner > 0 or rc.gpus_per_rollout_worker > 0
+    rc.colocate = bool(cluster_gpus == 1 and asks_gpus)
+    if not rc.colocate:
+        return None
+    try:
+        cfg.validate()
+    except ConfigError as exc:
+        rc.colocate = "auto"
+        raise ConfigError(
+            f"resources.colocate=auto: the cluster has one GPU, so the learner and the rollout engine share it; {exc}"
+            " (or set resources.colocate=false and give each its own GPU on a larger cluster)"
+        ) from None
+    share = rc.colocated_shares()
+    return (
+        f"resources.colocate=auto: one GPU in the cluster, so learner and rollout engine share it "
+        f"(num_gpus {share[0]:g} + {share[1]:g}); weights go by CUDA IPC"
     )
 
 
@@ -101,6 +129,18 @@ def model_name(cfg: Config) -> str:
     return cfg.model.path or "bundled small Qwen2 (built and warm-started locally)"
 
 
+def _colocated_line(rc) -> str:
+    if rc.colocate is True:
+        share = rc.colocated_shares()
+        return (
+            f"yes: learner rank r and rollout worker r share bundle r (num_gpus {share[0]:g} + {share[1]:g}); "
+            "weights by shared memory (CUDA IPC on a GPU)"
+        )
+    if rc.colocate == "auto":
+        return "auto: yes when the cluster has exactly one GPU and the run asks for GPUs; else the network sync"
+    return "no: weights by the network sync (gloo, learner ranks to engines)"
+
+
 def resource_plan(cfg: Config) -> str:
     rc, lc, ro, a = cfg.resources, cfg.learner, cfg.rollout, cfg.algo
     need = resource_needs(cfg)
@@ -117,7 +157,9 @@ def resource_plan(cfg: Config) -> str:
         f"trajectories per step; PPO mini-batch {lc.mini_batch_size}, {lc.ppo_epochs} epoch(s), lr {lc.lr:g}; {cfg.trainer.total_steps} steps",
         "resources:",
         f"  learners:        {lc.world_size} x ({_res(rc.cpus_per_learner, rc.gpus_per_learner, rc.learner_custom_resources)}) "
-        f"in one placement group (PACK), torch.distributed {lc.backend}, FSDP2={lc.fsdp}",
+        f"in one placement group ({'STRICT_PACK' if rc.colocate is True else 'PACK'}), torch.distributed "
+        f"{lc.backend}, FSDP2={lc.fsdp}",
+        f"  colocated:       {_colocated_line(rc)}",
         f"  rollout workers: {ro.num_workers} at start, {ro.min_workers}..{ro.max_workers} "
         f"({'autoscaled' if ro.autoscale else 'fixed unless scaled'}) x ({_res(rc.cpus_per_rollout_worker, rc.gpus_per_rollout_worker, rc.rollout_custom_resources)}), "
         f"engine {ro.engine}",

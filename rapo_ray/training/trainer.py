@@ -1,7 +1,8 @@
 """``Trainer``: one RL step, top to bottom, over the learner group, the rollout fleet and the weight sync.
 
     step:  sample prompts -> rollout (fleet) -> old-policy pass (learners: log-probs, entropies)
-           -> advantages (the algorithm's estimator) -> PPO update (learners) -> weight sync (collective)
+           -> advantages (the algorithm's estimator) -> PPO update (learners)
+           -> weight sync (collective; shared memory when colocated, rapo_ray/workers/colocated.py)
 
 With ``algo.max_staleness = k >= 1`` the learners' part (old-policy pass, advantages, update) runs in a driver
 thread while the fleet rolls out the next steps' groups (up to k ahead) with the weights it has; the weight sync
@@ -52,8 +53,9 @@ from rapo_ray.training.staleness import (
     staleness_metrics,
 )
 from rapo_ray.types.batch import TrajectoryBatch
+from rapo_ray.workers.colocated import ColocatedSync
 from rapo_ray.workers.learner import LearnerGroup
-from rapo_ray.workers.rollout import RolloutFleet
+from rapo_ray.workers.rollout import ColocatedSpawner, RolloutFleet
 from rapo_ray.workers.sync import WeightSync
 
 log = logging.getLogger("rapo_ray.training.trainer")
@@ -105,11 +107,24 @@ class Trainer:
         # fleet's constructor returns when its workers are ready, then the learners are waited for
         self.startup = StageTimer()  # what each part's start took, or was still waited for (the launcher logs it)
         self.learners = learners if learners is not None else LearnerGroup(cfg, model_dir, wait=False)
-        self.sync = WeightSync(cfg.sync.bucket_mb, cfg.sync.timeout_s, cfg.sync.wire_dtype(cfg.model.dtype))
+        # colocated (resources.colocate): each worker in its learner rank's bundle, the weights by shared memory
+        colocated, wire_dtype = cfg.resources.colocate is True, cfg.sync.wire_dtype(cfg.model.dtype)
+        self.sync = (
+            ColocatedSync(cfg.sync.timeout_s, wire_dtype)
+            if colocated
+            else WeightSync(cfg.sync.bucket_mb, cfg.sync.timeout_s, wire_dtype)
+        )
+        spawner = (
+            ColocatedSpawner(cfg, str(model_dir), retrieval_app, self.learners.pg, cfg.rollout.num_workers)
+            if colocated
+            else None
+        )
         self.fleet: RolloutFleet | None = None
         try:
             with self.startup.stage("rollout fleet"):
-                self.fleet = RolloutFleet(model_dir, cfg, retrieval_app, on_new_workers=self._bring_up_to_date)
+                self.fleet = RolloutFleet(
+                    model_dir, cfg, retrieval_app, on_new_workers=self._bring_up_to_date, spawner=spawner
+                )
             with self.startup.stage("learner group"):
                 self.learners.wait_ready()
         except BaseException:  # nothing started here outlives a failed start
@@ -420,7 +435,7 @@ class Trainer:
         self.learners.shutdown(graceful)
 
 
-def push_weights(sync: WeightSync, fleet: RolloutFleet, learners: list, version: int) -> int:
+def push_weights(sync: WeightSync | ColocatedSync, fleet: RolloutFleet, learners: list, version: int) -> int:
     """Push the learners' weights as ``version`` to every rollout worker. A worker that died outside a rollout
     (during the old-logprob pass, the update, an evaluation's end) must not end the run:
     - with the group of the last push unchanged, the push itself meets a dead member at once (its connections

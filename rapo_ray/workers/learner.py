@@ -45,6 +45,7 @@ from rapo_ray.model.factory import (
 from rapo_ray.model.target_logits import logits_at
 from rapo_ray.types.batch import MICRO_BATCH_ORDERS, TrajectoryBatch, balanced_micro_batches, length_sorted_groups
 from rapo_ray.types.learner_batch import LearnerBatch, from_numpy
+from rapo_ray.workers.colocated import SegmentExporter
 from rapo_ray.workers.sync import SyncMember, send_state, shard_rows
 
 # How the learner group combines one statistic across ranks (rapo_ray.core.metrics.merge_actor_stats): per-rank
@@ -81,6 +82,7 @@ class LearnerWorker(SyncMember):
         set_deterministic(self.cfg.run.deterministic)
         self.rank, self.world = rank, world_size
         self._sync_layout_cache: tuple = ()  # (key, entries, local rows): see _sync_layout
+        self._exporter = SegmentExporter(rank)  # the colocated handoff's shared buffer (resources.colocate)
         self.device = pick_device(self.cfg.resources.gpus_per_learner, "resources.gpus_per_learner")
         use_cuda = self.device.type == "cuda"
         backend = backend if backend != "auto" else ("nccl" if use_cuda else "gloo")
@@ -295,6 +297,16 @@ class LearnerWorker(SyncMember):
             self._sync_group = None  # aborted by send_state; the driver forms a new group
             raise
 
+    def export_weights(self, version: int, dtype: str, senders: int, prefix: str) -> dict:
+        """Every rank (colocated mode): put this rank's rows of every parameter, in ``dtype``, into its shared buffer
+        for the engines on this machine to read (rapo_ray/workers/colocated.py). Returns the handle and seconds."""
+        t0 = time.perf_counter()
+        entries, local = self._sync_layout(dtype, senders)
+        t1 = time.perf_counter()
+        seg = self._exporter.export(version, entries, local.__getitem__, senders, prefix, self.device)
+        t2 = time.perf_counter()
+        return {"segment": seg, "prepare_s": t1 - t0, "pack_s": t2 - t1, "learner_s": t2 - t0}
+
     def _sync_layout(self, dtype: str, senders: int) -> tuple[list, dict]:
         """What ``send_weights`` sends: the (name, shape, dtype, rows per sender) entries, and this rank's rows of
         each tensor as views of its parameters (they follow the optimizer's in-place updates). Built once: walking
@@ -360,6 +372,7 @@ class LearnerWorker(SyncMember):
     def shutdown(self) -> bool:
         import torch.distributed as dist
 
+        self._exporter.close()
         if dist.is_initialized():
             dist.destroy_process_group()
         return True
@@ -445,6 +458,26 @@ def put_back_pass(lb: LearnerBatch, per_rank: list[list[LearnerBatch]], results:
     lb.old_logprobs, lb.entropies = logp, ent
 
 
+def learner_bundles(cfg: Config) -> tuple[list[dict], str]:
+    """The learner ranks' placement-group bundles (one per rank) and the group's strategy. Colocated
+    (``resources.colocate``): bundles 0..rollout.num_workers-1 also hold that rank's rollout worker (its CPUs and
+    custom resources, the pair's GPU), and every bundle is on one machine (STRICT_PACK), since the engines map the
+    learners' shared memory."""
+    rc, world = cfg.resources, cfg.learner.world_size
+    alone = {"CPU": rc.cpus_per_learner} | ({"GPU": rc.gpus_per_learner} if rc.gpus_per_learner else {})
+    alone |= dict(rc.learner_custom_resources)
+    if rc.colocate is not True:
+        return [alone] * world, "PACK"
+    pair = dict(alone)
+    for k, v in rc.rollout_custom_resources.items():
+        pair[k] = pair.get(k, 0) + v
+    pair["CPU"] = rc.cpus_per_learner + rc.cpus_per_rollout_worker
+    if rc.colocated_gpus:
+        pair["GPU"] = rc.colocated_gpus
+    paired = min(cfg.rollout.num_workers, world)
+    return [pair] * paired + [alone] * (world - paired), "STRICT_PACK"
+
+
 class LearnerGroup:
     """The learner ranks as one object (after OpenRLHF's actor group): one ``LearnerWorker`` per rank in a
     placement group, one torch.distributed group among them. It splits a ``TrajectoryBatch`` over the ranks
@@ -460,19 +493,18 @@ class LearnerGroup:
         self.cfg = cfg
         self.pad_id = pad_token_id(model_dir)
         lc, rc = cfg.learner, cfg.resources
-        bundle = {"CPU": rc.cpus_per_learner} | ({"GPU": rc.gpus_per_learner} if rc.gpus_per_learner else {})
-        bundle |= dict(rc.learner_custom_resources)
-        self.pg = placement_group([bundle] * lc.world_size, strategy="PACK")
+        bundles, strategy = learner_bundles(cfg)
+        self.pg = placement_group(bundles, strategy=strategy)
         ready, _ = ray.wait([self.pg.ready()], timeout=rc.placement_timeout_s)
         if not ready:
             remove_placement_group(self.pg)
             raise RuntimeError(
-                f"the learner placement group ({lc.world_size} x {bundle}) could not be scheduled within "
+                f"the learner placement group ({bundles}) could not be scheduled within "
                 f"{rc.placement_timeout_s:g} s (resources.placement_timeout_s)"
             )
         actor = ray.remote(
             num_cpus=rc.cpus_per_learner,
-            num_gpus=rc.gpus_per_learner,
+            num_gpus=rc.colocated_shares()[0] if rc.colocate is True else rc.gpus_per_learner,
             resources=dict(rc.learner_custom_resources) or None,
         )(LearnerWorker)
         port, cfg_dict = free_port(), to_dict(cfg)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from queue import SimpleQueue
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from rapo_ray.agent.loop import AgentLoop, LoopSettings
 from rapo_ray.algos.registry import algorithm_of
@@ -35,6 +35,7 @@ from rapo_ray.model.factory import context_length, load_model_and_tokenizer, loa
 from rapo_ray.retrieval.client import HANDLE_OPTIONS, HandleStepRetriever
 from rapo_ray.retrieval.search_index import search_index_for
 from rapo_ray.types.batch import TrajectoryBatch
+from rapo_ray.workers.colocated import SegmentImporter, SharedSegment
 from rapo_ray.workers.relay import RolloutRelay
 from rapo_ray.workers.sync import SyncMember, receive_state
 
@@ -81,6 +82,7 @@ class RolloutWorker(SyncMember):
         self.loop_cls = AgentLoop  # imported lazily above (actor-side imports)
         self.retriever = retriever
         self.last_receive: dict = {}
+        self._importer = SegmentImporter()  # the colocated handoff's mapped buffers (resources.colocate)
 
     def ready(self) -> dict:
         return {
@@ -142,6 +144,16 @@ class RolloutWorker(SyncMember):
         }
         return version
 
+    def import_weights(self, segments: list[SharedSegment]) -> int:
+        """Colocated mode: read the learner ranks' shared buffers (one ``SharedSegment`` each) and load the
+        weights; returns their version."""
+        t0 = time.perf_counter()
+        version, state_dict = self._importer.state_dict(segments)
+        t1 = time.perf_counter()
+        self.engine.load_weights(state_dict, version)
+        self.last_receive = {"receive_s": t1 - t0, "load_s": time.perf_counter() - t1}
+        return version
+
     def state_dict(self) -> dict:
         model = getattr(self.engine, "model", None)
         if model is None:
@@ -185,13 +197,49 @@ class ActorSpawner:
     def kill(self, handle) -> None:
         ray.kill(handle)
 
+    def release(self, handle) -> None:
+        """The fleet no longer counts ``handle`` (dead, or scaled away): nothing to free for a plain actor."""
+
+
+class ColocatedSpawner(ActorSpawner):
+    """Colocated mode (``resources.colocate``): each worker goes into a free one of the learners' first ``bundles``
+    placement-group bundles (those sized for a worker too, ``learner_bundles``), beside that bundle's learner rank
+    (its GPU share, on one machine); a dead worker's replacement takes the bundle it left."""
+
+    def __init__(self, cfg, model_dir: str, retrieval_app: str | None, placement_group, bundles: int):
+        super().__init__(cfg, model_dir, retrieval_app)
+        self.num_gpus = cfg.resources.colocated_shares()[1]  # (its share of the bundle's GPU)
+        self.strategy = lambda i: PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=i)
+        self.bundle_of: dict[str, int] = {}  # actor id -> its bundle
+        self.bundles = bundles
+
+    def spawn(self, ids: list[int]) -> list:
+        free = sorted(set(range(self.bundles)) - set(self.bundle_of.values()))
+        if len(ids) > len(free):
+            raise RuntimeError(
+                f"colocated mode: {len(ids)} more rollout worker(s) asked for, {len(free)} of the learners' "
+                f"{self.bundles} worker bundles free (resources.colocate: rollout.num_workers workers, each beside "
+                "its own learner rank)"
+            )
+        handles = []
+        for wid, bundle in zip(ids, free):
+            options = {"num_gpus": self.num_gpus, "scheduling_strategy": self.strategy(bundle)}
+            handle = self.actor_cls.options(**options).remote(wid, *self.args)
+            self.bundle_of[handle._actor_id.hex()] = bundle
+            handles.append(handle)
+        return handles
+
+    def release(self, handle) -> None:
+        self.bundle_of.pop(handle._actor_id.hex(), None)
+
 
 class RolloutFleet:
     """Owns the rollout workers; ``run_step`` distributes a step's groups and collects every one exactly once.
 
-    ``spawner``: what starts (``spawn(ids) -> handles``) and kills (``kill(handle)``) workers; default
-    ``ActorSpawner``. Any handle with the worker's remote methods (``ready``, ``rollout``, ``close``, the sync
-    member's) can stand in: the control-plane benchmark packs many simulated engines into one process this way."""
+    ``spawner``: what starts (``spawn(ids) -> handles``), kills (``kill(handle)``) and lets go of
+    (``release(handle)``, when the fleet drops a worker) workers; default ``ActorSpawner``. Any handle with the
+    worker's remote methods (``ready``, ``rollout``, ``close``, the sync member's) can stand in: the control-plane
+    benchmark packs many simulated engines into one process this way."""
 
     def __init__(self, model_dir: str, cfg, retrieval_app: str | None, on_new_workers=None, spawner=None):
         self.cfg = cfg
@@ -221,7 +269,7 @@ class RolloutFleet:
             answers, died = self._await_ready(ids)
             node_of.update((wid, answer.get("node_id")) for wid, answer in answers.items())
             for wid, exc in died.items():
-                self.workers.pop(wid)
+                self.spawner.release(self.workers.pop(wid))
                 self.events.append(
                     FleetEvent(time.time(), "replaced", f"worker {wid} died while starting ({brief(exc)})")
                 )
@@ -276,7 +324,10 @@ class RolloutFleet:
         node = self.node_of.pop(wid, None)
         if node in self.relays:
             self.relays[node].detach.remote([wid])
-        return self.workers.pop(wid, None)
+        handle = self.workers.pop(wid, None)
+        if handle is not None:
+            self.spawner.release(handle)
+        return handle
 
     def scale(self, n: int) -> None:
         n = max(self.cfg.rollout.min_workers, min(self.cfg.rollout.max_workers, n))

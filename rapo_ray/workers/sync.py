@@ -441,12 +441,47 @@ def receive_state(group: SyncGroup) -> tuple[int, dict[str, torch.Tensor]]:
 # ---------------------------------------------------------------- the driver's side
 
 
+def gather_push(refs: list, what: str, timeout_s: float, n_learners: int = 1) -> list:
+    """Every result of a push's calls (the first ``n_learners`` on learner ranks), or one error: a lost learner
+    first (the step cannot finish), then a dead rollout worker (the caller can replace it and push again; the
+    senders fail after it, since the group aborts), then the first other error."""
+    t0 = time.monotonic()
+    try:
+        return ray.get(refs, timeout=timeout_s)  # the usual case: one call
+    except ray.exceptions.GetTimeoutError:
+        pending = refs
+    except Exception:  # noqa: BLE001 - which member failed decides what to raise: look at each
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, timeout_s - time.monotonic() + t0))
+    if pending:
+        raise TimeoutError(
+            f"weight push: {what} took more than {timeout_s:.0f} s (sync.timeout_s); a learner or rollout "
+            "worker is stuck"
+        )
+    results, errors = [], []
+    for i, r in enumerate(refs):
+        try:
+            results.append(ray.get(r))
+        except Exception as exc:  # noqa: BLE001 - ranked below
+            errors.append((i, exc))
+    for i, exc in errors:
+        if i < n_learners and isinstance(exc, WORKER_DIED):
+            raise LearnerLost(f"a learner died during the weight push ({what}): {exc}") from exc
+    for _, exc in errors:
+        if isinstance(exc, WORKER_DIED):
+            raise exc
+    if errors:
+        raise errors[0][1]
+    return results
+
+
 class WeightSync:
     """Driver side: hosts the rendezvous store, (re)forms the group for the current fleet, and starts each push
     on the learner ranks (senders) and the rollout workers (receivers) at once.
 
     Every learner rank and every worker needs ``join_weight_sync(host, port, name, rank, world, timeout_s)``; the
     learner ranks ``send_weights(version, bucket_bytes, dtype, senders)``, the workers ``receive_weights()``."""
+
+    kind = "network"  # (a run's summary.json says which sync it used)
 
     def __init__(self, bucket_mb: float = 32.0, timeout_s: float = 600.0, dtype: str = "float32"):
         import torch.distributed as dist
@@ -487,9 +522,10 @@ class WeightSync:
         one_machine = sum(n["Alive"] for n in ray.nodes()) == 1  # (a local Ray): loopback only
         host = "127.0.0.1" if one_machine else ray.util.get_node_ip_address()
         args = (host, self.store.port, name)
-        self._wait(
+        gather_push(
             [m.join_weight_sync.remote(*args, rank, world, self.timeout_s) for rank, m in enumerate(members)],
             "forming the group",
+            self.timeout_s,
             n_learners=len(learners),
         )
         self.members = key
@@ -502,7 +538,7 @@ class WeightSync:
             self.form_group(learners, workers)
             sends = [r.send_weights.remote(version, self.bucket_bytes, self.dtype, len(learners)) for r in learners]
             recvs = [w.receive_weights.remote() for w in workers]
-            results = self._wait(sends + recvs, "sending", n_learners=len(sends))
+            results = gather_push(sends + recvs, "sending", self.timeout_s, n_learners=len(sends))
         except BaseException:
             self.members = ()  # the members dropped their ends of the group
             raise
@@ -518,38 +554,6 @@ class WeightSync:
             "slowest_sender_s": max(r["learner_s"] for r in sent),
         }
         return self.last_ms
-
-    def _wait(self, refs: list, what: str, n_learners: int = 1) -> list:
-        """Every result, or one error: a lost learner first (the step cannot finish), then a dead rollout worker
-        (the caller can replace it and push again; the senders fail after it, since the group aborts), then the
-        first other error."""
-        t0 = time.monotonic()
-        try:
-            return ray.get(refs, timeout=self.timeout_s)  # the usual case: one call
-        except ray.exceptions.GetTimeoutError:
-            pending = refs
-        except Exception:  # noqa: BLE001 - which member failed decides what to raise: look at each
-            _, pending = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, self.timeout_s - time.monotonic() + t0))
-        if pending:
-            raise TimeoutError(
-                f"weight push: {what} took more than {self.timeout_s:.0f} s (sync.timeout_s); a learner or rollout "
-                "worker is stuck"
-            )
-        results, errors = [], []
-        for i, r in enumerate(refs):
-            try:
-                results.append(ray.get(r))
-            except Exception as exc:  # noqa: BLE001 - ranked below
-                errors.append((i, exc))
-        for i, exc in errors:
-            if i < n_learners and isinstance(exc, WORKER_DIED):
-                raise LearnerLost(f"a learner died during the weight push ({what}): {exc}") from exc
-        for _, exc in errors:
-            if isinstance(exc, WORKER_DIED):
-                raise exc
-        if errors:
-            raise errors[0][1]
-        return results
 
     def close(self) -> None:
         self.store = None

@@ -40,6 +40,11 @@ def test_gpu_check_runs_its_checks_on_the_cpu(tmp_path):
     assert set(status.values()) == {"PASS"}, status
     assert checks["engine: greedy, seeded sampling, logprobs"]["greedy_equals_generate"] == "3/3"
     assert checks["learner: one bf16 mixed-precision update"]["weights_changed_frac"] > 0.9
+    colocated = checks["colocated: learner -> engine by shared memory"]  # another process read every tensor
+    assert (
+        colocated["kind"] == "shm"
+        and colocated["tensors_equal"].split("/")[0] == colocated["tensors_equal"].split("/")[1]
+    )
     assert "GPU check on" in proc.stdout and "report:" in proc.stdout
 
 

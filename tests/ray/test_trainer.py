@@ -150,7 +150,8 @@ def test_end_to_end_rapo_and_resume(ray_session, warm_cfg):
 
 
 def test_a_users_algorithm_module_runs_in_a_ray_job(ray_session, warm_cfg):
-    """``algo.modules``: ``rloo-ramp`` of tests/user_algorithm.py, named only in the config, runs in the whole job.
+    """``algo.modules``: ``rloo-ramp`` of tests/user_algorithm.py, named only in the config, runs in the whole job
+    (in colocated mode: the weights through shared memory).
     The rollout workers import it (their groups start with half the slots and get the rest by the ``refill`` hook;
     broken answers pay -2 by ``settle_reward``); the driver's estimator gives each token the leave-one-out advantage
     times (t + 1) / L, a per-token output the module declares; and those reach the loss: at ratio 1 (one update on
@@ -165,7 +166,9 @@ def test_a_users_algorithm_module_runs_in_a_ray_job(ray_session, warm_cfg):
     data["trainer"].update(total_steps=1, prompts_per_step=4, dynamic_sampling=True, dynamic_sampling_budget=2.0)
     data["learner"].update(mini_batch_size=16, ppo_epochs=1)
     data["run"].update(name="user-algorithm")
+    data["resources"].update(colocate=True)  # (and the colocated mode's path through a whole job: issue #65)
     summary = run(from_dict(data).validate(), log=lambda *_: None)
+    assert summary["weight_sync"] == "colocated"
     step = next(m for m in map(json.loads, open(f"{summary['run_dir']}/metrics.jsonl")) if "reward" in m)
     rows = pq.read_table(f"{summary['run_dir']}/trajectories/step-000001.parquet").to_pylist()
     groups: dict[str, list[dict]] = {}

@@ -159,6 +159,9 @@ class _KillingSpawner:
     def kill(self, handle):
         self.inner.kill(handle)
 
+    def release(self, handle):
+        self.inner.release(handle)
+
 
 def test_a_worker_dying_while_it_starts_is_started_again_and_endless_deaths_are_an_error(
     ray_session, fleet_cfg, tiny_model_dir
@@ -361,14 +364,57 @@ class TestWeightSync:
         _assert_workers_hold(fleet, learners, 2)
 
 
+def test_colocated_workers_sit_in_the_learners_bundles_and_get_the_weights_through_shared_memory(
+    ray_session, fleet_cfg, tiny_model_dir
+):
+    """Issue #65 (resources.colocate): worker r in learner rank r's bundle; a push is each rank's rows through
+    /dev/shm, bit for bit in the engine; a worker that dies is replaced in the bundle it left and brought up to date
+    by the next push; nothing is left in /dev/shm afterwards."""
+    import glob
+    from dataclasses import replace
+
+    from ray.util.placement_group import placement_group_table
+
+    from rapo_ray.training.trainer import push_weights
+    from rapo_ray.workers.colocated import ColocatedSync, shared_dir
+    from rapo_ray.workers.learner import LearnerGroup
+    from rapo_ray.workers.rollout import ColocatedSpawner, RolloutFleet
+
+    rc = replace(fleet_cfg.resources, cpus_per_learner=0.5, colocate=True)
+    cfg = replace(fleet_cfg, resources=rc, rollout=replace(fleet_cfg.rollout, max_workers=2)).validate()
+    learners = LearnerGroup(cfg, tiny_model_dir)
+    sync = ColocatedSync(timeout_s=120)
+    spawner = ColocatedSpawner(cfg, str(tiny_model_dir), None, learners.pg, cfg.rollout.num_workers)
+    fleet = RolloutFleet(tiny_model_dir, cfg, retrieval_app=None, spawner=spawner)
+    try:
+        table = placement_group_table(learners.pg)
+        assert table["strategy"] == "STRICT_PACK" and table["bundles"][0] == {"CPU": 1.0}  # the pair's CPUs
+        assert sorted(spawner.bundle_of.values()) == [0, 1]
+        _move_weights(learners, 0.01)
+        sync.push(learners.workers, fleet.handles(), 1)
+        _assert_workers_hold(fleet, learners, 1)
+        assert sync.last["bytes"] > 0 and sync.last["import_s"] > 0
+        assert len(glob.glob(f"{shared_dir()}/{sync.prefix}-*")) == 2  # one segment per learner rank
+        _kill(fleet.handles()[1])
+        _move_weights(learners, -0.02)
+        assert push_weights(sync, fleet, learners.workers, 2) == 1  # replaced in the freed bundle, then pushed
+        assert sorted(spawner.bundle_of.values()) == [0, 1] and len(fleet.workers) == 2
+        _assert_workers_hold(fleet, learners, 2)
+        with pytest.raises(RuntimeError, match="0 of the learners' 2 worker bundles free"):
+            spawner.spawn([99])
+    finally:
+        fleet.shutdown()
+        learners.shutdown()
+        sync.close()
+    assert not glob.glob(f"{shared_dir()}/{sync.prefix}-*")
+
+
 def test_a_push_whose_worker_ray_killed_for_memory_is_a_dead_worker_not_a_learner_error(ray_session):
     """A rollout worker that Ray's memory monitor killed fails its calls with OutOfMemoryError (no RayActorError),
     while the learners' sends fail on the closed socket first. The push must name the dead worker (the trainer then
     replaces it and pushes again), and name a learner killed that way a lost learner."""
-    from types import SimpleNamespace
-
     from rapo_ray.core.errors import WORKER_DIED, LearnerLost
-    from rapo_ray.workers.sync import WeightSync
+    from rapo_ray.workers.sync import gather_push
 
     @ray.remote
     def send():
@@ -378,11 +424,10 @@ def test_a_push_whose_worker_ray_killed_for_memory_is_a_dead_worker_not_a_learne
     def receive():
         raise ray.exceptions.OutOfMemoryError("1 worker(s) were killed due to the node running low on memory")
 
-    push = SimpleNamespace(timeout_s=30.0)
     with pytest.raises(WORKER_DIED, match="running low on memory"):
-        WeightSync._wait(push, [send.remote(), send.remote(), receive.remote()], "sending", n_learners=2)
+        gather_push([send.remote(), send.remote(), receive.remote()], "sending", 30.0, n_learners=2)
     with pytest.raises(LearnerLost, match="running low on memory"):
-        WeightSync._wait(push, [receive.remote(), send.remote(), send.remote()], "sending", n_learners=2)
+        gather_push([receive.remote(), send.remote(), send.remote()], "sending", 30.0, n_learners=2)
 
 
 def test_kl_penalty_pulls_the_policy_back_to_the_starting_model(ray_session, fleet_cfg, tiny_model_dir):
