@@ -20,7 +20,8 @@ Checks (each PASS / FAIL / SKIP with its numbers):
 - the colocated handoff (``resources.colocate``): the updated weights exported as a learner rank does and read by
   another process, bit for bit (CUDA IPC on a GPU, /dev/shm on the CPU);
 - vLLM (where it imports, CUDA only): greedy == ``generate`` and the same weight load;
-- throughput: torch engine vs ``generate`` tokens/s at batch 16/64/256 (the model's dtype: bf16 on CUDA);
+- throughput: torch engine vs ``generate`` tokens/s at batch 16/64/256 (the model's dtype: bf16 on CUDA), the engine's
+  decode step as CUDA graphs (the default on CUDA) and dynamic;
 - the learner's compute at a recipe's shape (``--learner-shape``, default 8 rows x 640 tokens, micro-batches of 2):
   the old-log-prob pass and one PPO update through the calls ``LearnerWorker`` makes (FSDP2, world size 1, bf16
   mixed precision), seconds, tokens/s and peak GPU memory;
@@ -429,21 +430,29 @@ def check_vllm(model_dir, tok, device, state: dict, n_prompts: int, new_tokens: 
 
 
 def bench_engine(model_dir, tok, device, batches: list[int], new_tokens: int) -> dict:
-    """Torch engine vs ``generate``, same prompts, greedy, ``new_tokens`` each (bf16 on CUDA, fp32 on CPU)."""
+    """Torch engine vs ``generate``, same prompts, greedy, ``new_tokens`` each (bf16 on CUDA, fp32 on CPU), for each
+    form of the engine's decode step (``rollout.torch_decode``): on CUDA the CUDA graphs (the default there) and the
+    dynamic step, on the CPU the dynamic step (the default there) and the static one. Each engine is timed on its
+    second run at a batch (the first captures its graphs and grows its cache)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = load(model_dir, device, dtype)
-    engine = TorchEngine(load(model_dir, device, dtype), tok, max_batch_size=max(batches))
+    forms = ("graphs", "dynamic") if device.type == "cuda" else ("dynamic", "static")
+    engines = {
+        f: TorchEngine(load(model_dir, device, dtype), tok, max_batch_size=max(batches), decode=f) for f in forms
+    }
     base = prompts_for(tok, 16)
     rows = {}
     for b in batches:
         prompts = [base[i % len(base)] for i in range(b)]
         sp = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
-        engine.generate(prompts[:2], SamplingParams(temperature=0.0, max_new_tokens=4))  # warm-up
-        sync(device)
-        t0 = time.perf_counter()
-        engine.generate(prompts, sp)
-        sync(device)
-        engine_s = time.perf_counter() - t0
+        row, tokens = {}, {}
+        for form, engine in engines.items():
+            engine.generate(prompts, sp)  # warm-up: graphs captured, the cache at its size
+            sync(device)
+            t0 = time.perf_counter()
+            tokens[form] = [r.token_ids for r in engine.generate(prompts, sp)]
+            sync(device)
+            row[form] = time.perf_counter() - t0
         width = max(len(p) for p in prompts)
         ids = torch.full((b, width), 0, dtype=torch.long, device="cpu")
         attn = torch.zeros((b, width), dtype=torch.long, device="cpu")
@@ -459,14 +468,18 @@ def bench_engine(model_dir, tok, device, batches: list[int], new_tokens: int) ->
             model.generate(ids, attention_mask=attn, **kw)
         sync(device)
         hf_s = time.perf_counter() - t0
-        tokens = b * new_tokens
+        n = b * new_tokens
+        default = forms[0]
         rows[f"batch_{b}"] = {
-            "engine_tok_s": tokens / engine_s,
-            "generate_tok_s": tokens / hf_s,
-            "engine_over_generate": hf_s / engine_s,
-            "engine_ms_per_decode_step": 1000 * engine_s / new_tokens,
+            "engine_tok_s": n / row[default],
+            "generate_tok_s": n / hf_s,
+            "engine_over_generate": hf_s / row[default],
+            "engine_ms_per_decode_step": 1000 * row[default] / new_tokens,
+            **{f"{f}_over_generate": hf_s / row[f] for f in forms[1:]},
+            f"{forms[1]}_ms_per_decode_step": 1000 * row[forms[1]] / new_tokens,
+            "forms_same_tokens": tokens[forms[0]] == tokens[forms[1]],
         }
-    return {"dtype": str(dtype), "new_tokens": new_tokens, **rows, "ok": True}
+    return {"dtype": str(dtype), "new_tokens": new_tokens, "default_form": forms[0], **rows, "ok": True}
 
 
 def history_texts(n: int) -> list[str]:

@@ -230,6 +230,20 @@ class RolloutConfig:
     threads_per_worker: int = option(
         1, "Intra-op torch threads per rollout process (more than 1 oversubscribes small boxes, badly)."
     )
+    torch_decode: str = option(
+        "auto",
+        "The torch engine's decode step: dynamic (shapes follow the live requests), static (batches padded to powers "
+        "of two, attention over the whole cache: fixed shapes), graphs (static, captured once per shape as CUDA "
+        "graphs and replayed: a step costs the GPU's time, not one Python dispatch per operation; CUDA only), auto "
+        "(graphs on a GPU, dynamic on the CPU).",
+        ("auto", "dynamic", "static", "graphs"),
+    )
+    free_cache_during_update: bool = option(
+        True,
+        "Colocated mode (resources.colocate), synchronous steps (algo.max_staleness=0): each engine frees its KV "
+        "cache after the rollout, for the learner that shares its device, and rebuilds it at the next one (the torch "
+        "engine; vLLM keeps its cache).",
+    )
     vllm_kv_cache_gb: float = option(1.0, "vLLM KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE on CPU).")
     vllm_max_num_seqs: int = option(
         256,

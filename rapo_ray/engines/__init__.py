@@ -63,4 +63,4 @@ def make_engine(
             rollout_cfg.simulated_max_tokens,
             seed=seed,
         )
-    return TorchEngine(*loader(model_dir, dtype), device=device)
+    return TorchEngine(*loader(model_dir, dtype), device=device, decode=rollout_cfg.torch_decode)

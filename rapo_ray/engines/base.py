@@ -88,6 +88,12 @@ class InferenceEngine(abc.ABC):
         """
         return self._submit_pool.submit(lambda: self.generate([list(prompt)], [params])[0])
 
+    def release_memory(self) -> int:
+        """Give back what the engine holds between rollouts that it can rebuild (its KV cache), while the learner
+        that shares its device updates (colocated mode); returns the bytes freed. The next ``generate`` rebuilds
+        it. Default: nothing to free."""
+        return 0
+
     def close(self) -> None:
         """Release resources; the engine is unusable afterwards."""
         self._submit_pool.shutdown(wait=False, cancel_futures=True)

@@ -119,6 +119,7 @@ class Trainer:
             if colocated
             else None
         )
+        self.free_engine_cache = colocated and cfg.rollout.free_cache_during_update and cfg.algo.max_staleness == 0
         self.fleet: RolloutFleet | None = None
         try:
             with self.startup.stage("rollout fleet"):
@@ -155,6 +156,9 @@ class Trainer:
             lags = lag_histogram(batch, self.learner_version)
             # 3-5. the learners: old-policy pass, advantages, PPO update (with k >= 1, the next rollouts meanwhile)
             if self._learner_thread is None:
+                if self.free_engine_cache:  # colocated: the learners get the device's memory the caches held
+                    with timer.stage("free_cache_s"):
+                        rollout_stats["engine_cache_freed_mb"] = self.fleet.release_memory() / 2**20
                 update_stats, learner_seconds = self._learn(batch)
             else:
                 update_stats, learner_seconds = self._learn_while_rolling_out(batch)
@@ -187,8 +191,10 @@ class Trainer:
             m["insert_errors"] = int(inserted < 0)
         self.lag_counts.update(lags)
         m.update(staleness_metrics(lags, dropped))
-        m.update({k: seconds[k] for k in ("ahead_rollout_s", "learner_wait_s") if k in seconds})
+        m.update({k: seconds[k] for k in ("ahead_rollout_s", "learner_wait_s", "free_cache_s") if k in seconds})
         m.update({k: v for k, v in rollout_stats.items() if k.startswith("dynamic_sampling/")})
+        if "engine_cache_freed_mb" in rollout_stats:  # (colocated, rollout.free_cache_during_update)
+            m["engine_cache_freed_mb"] = rollout_stats["engine_cache_freed_mb"]
         if self.prompt_pool is not None:
             m.update(self.prompt_pool.metrics())
         m.update(self.run_metrics.update(m))

@@ -154,6 +154,10 @@ class RolloutWorker(SyncMember):
         self.last_receive = {"receive_s": t1 - t0, "load_s": time.perf_counter() - t1}
         return version
 
+    def release_memory(self) -> int:
+        """The engine's rebuildable memory (its KV cache) freed while the learners run; returns the bytes."""
+        return self.engine.release_memory()
+
     def state_dict(self) -> dict:
         model = getattr(self.engine, "model", None)
         if model is None:
@@ -367,6 +371,18 @@ class RolloutFleet:
         if dead:
             self._start(len(dead), bring_up)
         return len(dead)
+
+    def release_memory(self) -> int:
+        """Every worker's engine frees its KV cache (``RolloutWorker.release_memory``); returns the bytes freed in
+        all. A worker found dead here is left to the weight push that follows, which replaces it."""
+        refs = [w.release_memory.remote() for w in self.handles()]
+        freed = 0
+        for ref in refs:
+            try:
+                freed += ray.get(ref)
+            except WORKER_DIED:
+                pass
+        return freed
 
     def autoscale(self, backlog_groups: int, groups_per_worker: int = 2) -> int:
         """Backlog policy: one worker per ``groups_per_worker`` queued groups, within [min, max]."""

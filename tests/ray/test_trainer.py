@@ -184,6 +184,7 @@ def test_a_users_algorithm_module_runs_in_a_ray_job(ray_session, warm_cfg):
     assert any(any(r["advantage"]) for r in rows)
     weighted = sum(a * m for r in rows for a, m in zip(r["advantage"], r["loss_mask"]))
     assert step["update/old_pass_skipped"] == 1.0 and step["update/old_pass_cpu_s"] == 0.0
+    assert step["engine_cache_freed_mb"] > 0 and "free_cache_s" in step  # the torch engines' caches, for the update
     assert step["update/loss_sum"] == pytest.approx(-weighted / sum(sum(r["loss_mask"]) for r in rows), rel=1e-4)
 
 

@@ -185,3 +185,17 @@ def test_colocate_true_is_refused_with_an_unpaired_or_elastic_fleet():
     cfg.rollout.autoscale = True
     with pytest.raises(ConfigError, match="rollout.autoscale"):
         cfg.validate()
+
+
+def test_the_check_compares_what_was_learned_and_leaves_out_times_speeds_and_memory():
+    from benchmarks.colocated_check import compare_steps, is_measurement
+
+    assert [is_measurement(k) for k in ("sync_s", "step_s_mean10", "tokens_per_s", "engine_cache_freed_mb")] == [
+        True
+    ] * 4
+    assert not any(is_measurement(k) for k in ("reward", "reward_mean10", "update/grad_norm", "staleness/lag0"))
+    a = [{"step": 1, "reward": 0.5, "sync_s": 0.1}, {"step": 2, "reward": 0.7, "sync_s": 0.2}]
+    b = [{"step": 1, "reward": 0.5, "sync_s": 0.3}, {"step": 2, "reward": 0.6, "sync_s": 0.2, "entropy": 1.0}]
+    assert compare_steps(a, b) == {"steps": 2, "keys_compared": ["entropy", "reward", "step"],
+                                   "differ": {"reward": [2], "entropy": [2]}}  # fmt: skip
+    assert compare_steps(a, b[:1])["differ"] == {"(step count)": [2, 1]}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rapo_ray.engines import SamplingParams
-from rapo_ray.engines.torch_engine import TorchEngine, sample_tokens
+from rapo_ray.engines.torch_engine import TorchEngine, batch_bucket, sample_tokens
 from rapo_ray.model.factory import load_model
 from tests.engine_checks import (
     check_engine_against_hf,
@@ -57,6 +57,64 @@ def test_torch_engine_continuous_batching_matches_solo_runs(tiny_model_dir, tiny
         logp, ent = teacher_forced(model, prompt, r.token_ids)
         assert torch.allclose(torch.tensor(r.logprobs), logp, atol=1e-4)
         assert torch.allclose(torch.tensor(r.entropies), ent, atol=1e-4)
+
+
+def test_torch_engine_frees_its_kv_cache_between_rollouts_and_rebuilds_it_at_its_size(
+    tiny_model_dir, tiny_tokenizer, prompts
+):
+    """Colocated mode (issue #65): between rollouts the engine gives its KV cache back to the device the learner
+    shares, all of it; the next generation rebuilds it at the size it had and decodes the same tokens. Never while
+    a request waits or runs."""
+    engine = TorchEngine(load_model(tiny_model_dir), tiny_tokenizer, max_batch_size=2, kv_initial_capacity=64)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=80, ignore_eos=True)  # grows the cache past 64
+    first = [r.token_ids for r in engine.generate(prompts[:3], sp)]
+    held, capacity = engine.decoder.cache_bytes(), engine.decoder.capacity
+    assert capacity > 64
+    engine._waiting.append(object())  # a request not yet admitted
+    assert engine.release_memory() == 0 and engine.decoder.cache_bytes() == held
+    engine._waiting.clear()
+    assert engine.release_memory() == held > 0 and engine.decoder.cache_bytes() == 0
+    short = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
+    engine.generate(prompts[:1], short)  # needs few positions: rebuilt at the old size all the same
+    assert engine.decoder.capacity == capacity and engine.decoder.cache_bytes() == held
+    assert [r.token_ids for r in engine.generate(prompts[:3], sp)] == first
+
+
+def test_batches_pad_to_powers_of_two_within_the_slots():
+    assert [batch_bucket(n, 6) for n in (1, 2, 3, 4, 5, 6)] == [1, 2, 4, 4, 6, 6]
+    assert batch_bucket(33, 64) == 64 and batch_bucket(64, 64) == 64
+
+
+@pytest.mark.parametrize("max_batch_size", [4, 8])
+def test_the_static_decode_step_decodes_what_generate_and_the_dynamic_step_do(
+    tiny_model_dir, tiny_tokenizer, prompts, max_batch_size
+):
+    """Issue #65: the decode step at fixed shapes (padded batches, attention over the whole cache) that CUDA graphs
+    replay, here eagerly on the CPU: greedy equals ``generate`` token for token, and every request's tokens and
+    log-probs equal the dynamic step's, with requests joining mid-decode and the cache growing past 64."""
+    model = load_model(tiny_model_dir)
+    static = TorchEngine(load_model(tiny_model_dir), tiny_tokenizer, max_batch_size=max_batch_size,
+                         kv_initial_capacity=64, decode="static")  # fmt: skip
+    dynamic = TorchEngine(load_model(tiny_model_dir), tiny_tokenizer, max_batch_size=max_batch_size,
+                          kv_initial_capacity=64, decode="dynamic")  # fmt: skip
+    assert (static.decode_form, dynamic.decode_form) == ("static", "dynamic")
+    check_engine_against_hf(static, model, prompts, exact_entropy=True)
+    params = [SamplingParams(temperature=0.0, max_new_tokens=20 + 13 * i, ignore_eos=True) for i in range(6)]
+    got, want = static.generate(prompts, params), dynamic.generate(prompts, params)
+    assert static.decoder.capacity > 64 and static.admitted_mid_decode == dynamic.admitted_mid_decode
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5)
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=12, seed=5, ignore_eos=True)
+    assert [r.token_ids for r in static.generate(prompts, sp)] == [r.token_ids for r in dynamic.generate(prompts, sp)]
+    check_submit(static, prompts)
+
+
+def test_cuda_graphs_are_refused_off_a_gpu_and_an_unknown_form_is_named(tiny_model_dir, tiny_tokenizer):
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        TorchEngine(load_model(tiny_model_dir), tiny_tokenizer, decode="graphs")
+    with pytest.raises(ValueError, match="decode='fast' is not one of"):
+        TorchEngine(load_model(tiny_model_dir), tiny_tokenizer, decode="fast")
 
 
 def test_torch_engine_admits_requests_of_another_thread_mid_decode(tiny_model_dir, tiny_tokenizer, prompts):
@@ -197,6 +255,31 @@ def test_torch_engine_samples_on_cuda(tiny_model_dir, tiny_tokenizer, prompts):
     sp = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=4, ignore_eos=True, seed=2)
     a = [r.token_ids for r in engine.generate(prompts, sp)]
     assert a == [r.token_ids for r in engine.generate(prompts, sp)] and all(len(t) == 4 for t in a)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_decode_equals_generate_and_the_dynamic_step(tiny_model_dir, tiny_tokenizer, prompts):
+    """The decode step replayed as CUDA graphs (``decode='graphs'``, the default on CUDA): greedy equals
+    ``generate`` in fp32, tokens equal the dynamic step's through a cache that grows (graphs captured again) and
+    through a release of the cache (colocated mode), and the live requests' cache survives each capture."""
+    model = load_model(tiny_model_dir).to("cuda")
+    graphs = TorchEngine(load_model(tiny_model_dir), tiny_tokenizer, device="cuda", max_batch_size=4,
+                         kv_initial_capacity=64)  # fmt: skip
+    dynamic = TorchEngine(load_model(tiny_model_dir), tiny_tokenizer, device="cuda", max_batch_size=4,
+                          kv_initial_capacity=64, decode="dynamic")  # fmt: skip
+    assert graphs.decode_form == "graphs"
+    greedy = graphs.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True))
+    for prompt, r in zip(prompts, greedy):
+        ids = torch.tensor([prompt], device="cuda")
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
+                             eos_token_id=None, pad_token_id=0)  # fmt: skip
+        assert r.token_ids == out[0, len(prompt) :].tolist()
+    params = [SamplingParams(temperature=0.0, max_new_tokens=20 + 13 * i, ignore_eos=True) for i in range(6)]
+    for _ in range(2):
+        got, want = graphs.generate(prompts, params), dynamic.generate(prompts, params)
+        assert [g.token_ids for g in got] == [w.token_ids for w in want] and graphs.decoder.capacity > 64
+        assert graphs.release_memory() > 0
 
 
 def test_simulated_engine_models_a_batched_decode(tiny_tokenizer, monkeypatch):
