@@ -92,10 +92,9 @@ def ladder_rung(
     from rapo_ray.config import load_config
     from rapo_ray.launch.launcher import init_ray
     from rapo_ray.model.factory import ensure_bundled_model
-    from rapo_ray.workers.colocated import ColocatedSync
     from rapo_ray.workers.learner import LearnerGroup
     from rapo_ray.workers.rollout import ColocatedSpawner, RolloutFleet
-    from rapo_ray.workers.sync import WeightSync
+    from rapo_ray.workers.sync import ColocatedSync, WeightSync
 
     colocated = mode == "colocated"
     if colocated:

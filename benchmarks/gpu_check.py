@@ -369,11 +369,11 @@ def check_colocated(device, state: dict, wire_dtype: str) -> dict:
         raise Skip("the learner update did not run")
     import multiprocessing as mp
 
-    from rapo_ray.workers.colocated import ColocatedSync, SegmentExporter
+    from rapo_ray.workers.colocated import SegmentExporter
 
     weights = {k: v.to(device) for k, v in state.items()}
     entries = [(k, tuple(v.shape), wire_dtype, ()) for k, v in weights.items()]
-    exporter, prefix = SegmentExporter(0), ColocatedSync().prefix
+    exporter, prefix = SegmentExporter(0), f"rapo_gpu_check_{os.getpid()}"
     try:
         t0 = time.perf_counter()
         seg = exporter.export(1, entries, weights.__getitem__, 1, prefix, device)

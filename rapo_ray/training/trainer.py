@@ -53,10 +53,9 @@ from rapo_ray.training.staleness import (
     staleness_metrics,
 )
 from rapo_ray.types.batch import TrajectoryBatch
-from rapo_ray.workers.colocated import ColocatedSync
 from rapo_ray.workers.learner import LearnerGroup
 from rapo_ray.workers.rollout import ColocatedSpawner, RolloutFleet
-from rapo_ray.workers.sync import WeightSync
+from rapo_ray.workers.sync import ColocatedSync, WeightSync
 
 log = logging.getLogger("rapo_ray.training.trainer")
 

@@ -1,7 +1,7 @@
 """Colocated weight handoff (``resources.colocate``): the learner ranks and the rollout engines on one machine (one
 GPU, shared), so a push is a copy into memory that both sides map and a copy out of it; no socket, no collective.
 
-    driver (ColocatedSync)       learner rank r (export_weights)                rollout worker (import_weights)
+    driver (sync.ColocatedSync)  learner rank r (export_weights)                rollout worker (import_weights)
     export on every rank,   ->   its rows of every tensor (``segment``) into  ->   every rank's rows put together in
     then import on every         its shared buffer, in the engines' dtype;        place (in place when one rank holds
     worker                       returns a ``SharedSegment`` (a handle)           the whole model), then loaded
@@ -9,8 +9,9 @@ GPU, shared), so a push is a copy into memory that both sides map and a copy out
 The shared buffer is, on the CPU, a file in /dev/shm that both processes map (``torch.from_file(shared=True)``);
 on CUDA, the learner's device buffer, opened by the engine through a CUDA IPC handle (torch.multiprocessing's
 ``reduce_tensor``), so the bytes never leave the GPU. Which one is decided by the learner's device; everything
-else (the layout, the packing, where each row goes) is the network sync's (rapo_ray/workers/sync.py), with the
-whole model as one bucket. Only handles (a path, or an IPC handle of a few hundred bytes) travel through Ray.
+else (the layout, the packing, where each row goes) is the network sync's (rapo_ray/workers/weight_layout.py), with
+the whole model as one bucket. Only handles (a path, or an IPC handle of a few hundred bytes) travel through Ray.
+Torch only (no Ray): the GPU check runs the handoff on a box without Ray.
 
 A learner keeps its buffer from push to push and overwrites it in the next push: the driver imports on every
 worker before it returns, and exports the next version only after that, so no worker reads a buffer being written.
@@ -18,7 +19,6 @@ worker before it returns, and exports the next version only after that, so no wo
 
 from __future__ import annotations
 
-import glob
 import os
 import sys
 import tempfile
@@ -27,18 +27,17 @@ from dataclasses import dataclass
 
 import torch
 
-from rapo_ray.workers.sync import (
+from rapo_ray.workers.weight_layout import (
     ReusedBuffers,
-    _spec_from_json,
-    _spec_to_json,
     bucket_size,
-    gather_push,
     is_whole,
     message_size,
     pack_segment,
     place,
     plan_buckets,
     segment,
+    spec_from_json,
+    spec_to_json,
     unpack,
 )
 
@@ -52,7 +51,7 @@ def shared_dir() -> str:
 class SharedSegment:
     """One learner rank's export of one version: where its rows are and how the whole model is laid out.
 
-    ``spec``: the layout (``_spec_to_json`` of one bucket), the same on every rank; ``kind``: "shm" (``path``, a
+    ``spec``: the layout (``spec_to_json`` of one bucket), the same on every rank; ``kind``: "shm" (``path``, a
     file of ``nbytes`` bytes), "cuda" (``ipc``: ``reduce_tensor``'s (rebuild function, arguments) of a uint8
     device tensor of ``nbytes``) or "empty" (this rank holds no rows)."""
 
@@ -88,7 +87,7 @@ class SegmentExporter:
         shared buffer on ``device``'s kind of memory; the handle says where. ``prefix`` names CPU files (the
         driver removes what is left under it when the run ends)."""
         bucket = one_bucket(entries)
-        spec = _spec_to_json([bucket])
+        spec = spec_to_json([bucket])
         pieces = segment(bucket, self.rank)
         n = message_size(pieces) if pieces else 0
         if n == 0:
@@ -154,7 +153,7 @@ class SegmentImporter:
 
     def bucket_of(self, spec: bytes) -> list:
         if self._specs[0] != spec:
-            self._specs = (spec, _spec_from_json(spec)[0])
+            self._specs = (spec, spec_from_json(spec)[0])
         return self._specs[1]
 
     def state_dict(self, segments: list[SharedSegment]) -> tuple[int, dict[str, torch.Tensor]]:
@@ -184,58 +183,3 @@ class SegmentImporter:
                     buf[lo:hi].copy_(src[p.offset : p.offset + p.nbytes])
         self.last = {"import_s": time.perf_counter() - t0}
         return first.version, unpack(buf, bucket)
-
-
-class ColocatedSync:
-    """Driver side of the colocated handoff; the same calls as ``WeightSync`` (``push``, ``reset``, ``close``,
-    ``needs_new_group``), so the trainer and ``push_weights`` take either.
-
-    Every learner rank needs ``export_weights(version, dtype, senders, prefix)`` and every worker
-    ``import_weights(segments)``."""
-
-    kind = "colocated"  # (a run's summary.json says which sync it used)
-
-    def __init__(self, timeout_s: float = 600.0, dtype: str = "float32"):
-        self.timeout_s, self.dtype = timeout_s, dtype
-        self.prefix = f"rapo_weights_{os.getpid()}_{int(time.time() * 1000) % 10**9}"
-        self.last_ms = 0.0
-        self.last: dict = {}
-
-    def reset(self) -> None:
-        """Nothing to re-form: each push hands every worker the handles afresh."""
-
-    def needs_new_group(self, learners: list, workers: list) -> bool:
-        return False  # (a dead worker fails its own import; ``push_weights`` replaces it and pushes again)
-
-    def push(self, learners: list, workers: list, version: int) -> float:
-        """Export ``version`` on every learner rank, then import it on every worker; returns the milliseconds."""
-        t0 = time.perf_counter()
-        exported = gather_push(
-            [r.export_weights.remote(version, self.dtype, len(learners), self.prefix) for r in learners],
-            "exporting",
-            self.timeout_s,
-            n_learners=len(learners),
-        )
-        t1 = time.perf_counter()
-        segments = [e["segment"] for e in exported]
-        got = gather_push([w.import_weights.remote(segments) for w in workers], "loading", self.timeout_s, 0)
-        if got != [version] * len(workers):
-            raise RuntimeError(f"weight push {version}: the workers report versions {got}")
-        self.last_ms = (time.perf_counter() - t0) * 1000
-        self.last = {
-            **{k: v for k, v in exported[0].items() if k != "segment"},
-            "bytes": sum(e["segment"].nbytes for e in exported),
-            "export_s": t1 - t0,
-            "import_s": time.perf_counter() - t1,
-            "ms": self.last_ms,
-            "slowest_sender_s": max(e["learner_s"] for e in exported),
-        }
-        return self.last_ms
-
-    def close(self) -> None:
-        """Remove CPU segments left under this run's prefix on this machine (a learner that was killed cannot)."""
-        for path in glob.glob(os.path.join(shared_dir(), f"{self.prefix}-*")):
-            try:
-                os.unlink(path)
-            except OSError:
-                pass

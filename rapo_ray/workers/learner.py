@@ -46,7 +46,8 @@ from rapo_ray.model.target_logits import logits_at
 from rapo_ray.types.batch import MICRO_BATCH_ORDERS, TrajectoryBatch, balanced_micro_batches, length_sorted_groups
 from rapo_ray.types.learner_batch import LearnerBatch, from_numpy
 from rapo_ray.workers.colocated import SegmentExporter
-from rapo_ray.workers.sync import SyncMember, send_state, shard_rows
+from rapo_ray.workers.sync import SyncMember, send_state
+from rapo_ray.workers.weight_layout import shard_rows
 
 # How the learner group combines one statistic across ranks (rapo_ray.core.metrics.merge_actor_stats): per-rank
 # token-weighted means are averaged, loss sums and delivered rows are added.

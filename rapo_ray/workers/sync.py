@@ -26,113 +26,32 @@ bucket arrived.
 from __future__ import annotations
 
 import datetime
-import json
-import math
+import glob
+import os
 import time
 import uuid
-from dataclasses import dataclass
 
 import ray
 import torch
 
 from rapo_ray.core.errors import WORKER_DIED, LearnerLost
-
-_ALIGN = 64  # byte offset alignment inside a bucket or segment: every dtype's view of its slice is aligned
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-def _element_size(dtype: str) -> int:
-    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
-
-
-def shard_rows(d0: int, senders: int) -> tuple[int, ...]:
-    """Rows of dim 0 that each of ``senders`` ranks holds under FSDP2's ``Shard(0)`` (``torch.chunk`` pieces:
-    c = ceil(d0 / senders) rows each, the last ones fewer or none). [senders] ints summing to d0."""
-    c = -(-d0 // senders) if senders else 0
-    return tuple(max(0, min(c, d0 - r * c)) for r in range(senders))
-
-
-@dataclass(frozen=True)
-class TensorSlot:
-    """Where one tensor sits in a bucket, and which sender holds which of its rows."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str  # torch dtype name without the "torch." prefix
-    offset: int  # bytes from the bucket's start
-    nbytes: int
-    rows: tuple[int, ...] = ()  # rows of dim 0 per sender (``shard_rows``); () = sender 0 holds the whole tensor
-
-    def rows_of(self, sender: int) -> tuple[int, int]:
-        """(first row, row count) that ``sender`` holds; a 0-d tensor counts as one row."""
-        d0 = self.shape[0] if self.shape else 1
-        rows = self.rows or (d0,)
-        if sender >= len(rows):
-            return 0, 0
-        return sum(rows[:sender]), rows[sender]
-
-    @property
-    def row_bytes(self) -> int:
-        return self.nbytes // (self.shape[0] if self.shape else 1) if self.nbytes else 0
-
-
-def plan_buckets(entries: list[tuple], bucket_bytes: int) -> list[list[TensorSlot]]:
-    """Lay ``(name, shape, dtype)`` or ``(name, shape, dtype, rows)`` entries out in buckets of at most
-    ``bucket_bytes`` (a tensor larger than that gets a bucket of its own; a tensor never spans two), in order, each
-    offset aligned to 64 bytes. ``rows``: see ``TensorSlot.rows``."""
-    buckets: list[list[TensorSlot]] = []
-    cur: list[TensorSlot] = []
-    used = 0
-    for name, shape, dtype, *rows in entries:
-        nbytes = math.prod(shape) * _element_size(dtype)
-        start = _aligned(used)
-        if cur and start + nbytes > bucket_bytes:
-            buckets.append(cur)
-            cur, start = [], 0
-        cur.append(TensorSlot(name, tuple(shape), dtype, start, nbytes, tuple(rows[0]) if rows else ()))
-        used = start + nbytes
-    if cur:
-        buckets.append(cur)
-    return buckets
-
-
-def bucket_size(bucket: list[TensorSlot]) -> int:
-    return bucket[-1].offset + bucket[-1].nbytes
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One sender's rows of one tensor: bytes ``[offset, offset + nbytes)`` of its segment belong at
-    ``slot.offset + first_row * slot.row_bytes`` in the bucket."""
-
-    slot: TensorSlot
-    first_row: int
-    n_rows: int
-    offset: int
-    nbytes: int
-
-
-def segment(bucket: list[TensorSlot], sender: int) -> list[Piece]:
-    """The rows of ``bucket`` that ``sender`` holds, laid out in tensor order with 64-byte aligned offsets (as
-    ``plan_buckets`` lays out whole tensors). A sender that holds every row of the bucket has the bucket's own
-    layout: its segment is the bucket, received in place."""
-    pieces, used = [], 0
-    for slot in bucket:
-        first, n = slot.rows_of(sender)
-        if n == 0:
-            continue
-        start = _aligned(used)
-        pieces.append(Piece(slot, first, n, start, n * slot.row_bytes))
-        used = start + n * slot.row_bytes
-    return pieces
-
-
-def is_whole(pieces: list[Piece], bucket: list[TensorSlot]) -> bool:
-    return len(pieces) == len(bucket) and all(p.offset == p.slot.offset and p.nbytes == p.slot.nbytes for p in pieces)
-
+from rapo_ray.workers.colocated import shared_dir
+from rapo_ray.workers.weight_layout import (
+    Piece,
+    ReusedBuffers,
+    TensorSlot,
+    aligned,
+    bucket_size,
+    is_whole,
+    message_size,
+    pack_segment,
+    place,
+    plan_buckets,
+    segment,
+    spec_from_json,
+    spec_to_json,
+    unpack,
+)
 
 DIRECT_BYTES = 1 << 20  # a piece this large travels as its own message, received straight into its place
 _TAGS_PER_BUCKET = 1 << 16  # message k of bucket b has tag b * _TAGS_PER_BUCKET + k
@@ -156,33 +75,10 @@ def messages(bucket: list[TensorSlot], sender: int, direct_bytes: int) -> list[l
         if p.nbytes >= direct_bytes:
             out.append([Piece(p.slot, p.first_row, p.n_rows, 0, p.nbytes)])
         else:
-            start = _aligned(used)
+            start = aligned(used)
             small.append(Piece(p.slot, p.first_row, p.n_rows, start, p.nbytes))
             used = start + p.nbytes
     return ([small] if small else []) + out
-
-
-def message_size(pieces: list[Piece]) -> int:
-    return pieces[-1].offset + pieces[-1].nbytes
-
-
-def place(piece: Piece) -> tuple[int, int]:
-    """Byte range of ``piece`` in its bucket: its rows are contiguous there (row-major, split on dim 0)."""
-    at = piece.slot.offset + piece.first_row * piece.slot.row_bytes
-    return at, at + piece.nbytes
-
-
-def pack_segment(out: torch.Tensor, pieces: list[Piece], local) -> torch.Tensor:
-    """Write each piece's rows into ``out`` ([>= segment size] uint8, CPU), cast to the slot's dtype on the way.
-    ``local(name)``: the rows this sender holds of that tensor (any dtype, any device). Returns ``out``."""
-    for p in pieces:
-        rows = local(p.slot.name)
-        want = (p.n_rows, *p.slot.shape[1:]) if p.slot.shape else ()
-        if tuple(rows.shape) != want:
-            raise ValueError(f"{p.slot.name}: this sender holds {tuple(rows.shape)}, the plan says {want}")
-        dst = out[p.offset : p.offset + p.nbytes].view(getattr(torch, p.slot.dtype)).view(want)
-        dst.copy_(rows.detach())
-    return out
 
 
 def pack_message(buffers, name: str, pieces: list[Piece], local) -> torch.Tensor:
@@ -198,35 +94,6 @@ def pack_message(buffers, name: str, pieces: list[Piece], local) -> torch.Tensor
         ):
             return rows.detach().reshape(-1).view(torch.uint8)
     return pack_segment(buffers.get(name, message_size(pieces)), pieces, local)
-
-
-def unpack(buf: torch.Tensor, bucket: list[TensorSlot]) -> dict[str, torch.Tensor]:
-    """Views of ``buf`` ([bucket_size] uint8) as the bucket's tensors (no copy)."""
-    return {s.name: buf[s.offset : s.offset + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape) for s in bucket}
-
-
-def _spec_to_json(buckets: list[list[TensorSlot]]) -> bytes:
-    return json.dumps([[list(s.__dict__.values()) for s in b] for b in buckets]).encode()
-
-
-def _spec_from_json(raw: bytes) -> list[list[TensorSlot]]:
-    return [[TensorSlot(n, tuple(sh), dt, off, nb, tuple(r)) for n, sh, dt, off, nb, r in b] for b in json.loads(raw)]
-
-
-class ReusedBuffers:
-    """Flat buffers kept from one bucket (and push) to the next: a fresh multi-MB allocation per bucket is page
-    faults on every use, which cost more than the copies themselves (at the 0.5B shape, about twice the time)."""
-
-    def __init__(self):
-        self._bufs: dict[tuple, torch.Tensor] = {}
-        self.turn = 0  # which of two alternating buffers a caller fills next
-
-    def get(self, name: str, numel: int, dtype: torch.dtype = torch.uint8, device="cpu") -> torch.Tensor:
-        key = (name, dtype, str(device))
-        buf = self._bufs.get(key)
-        if buf is None or buf.numel() < numel:
-            buf = self._bufs[key] = torch.empty(numel, dtype=dtype, device=device)
-        return buf[:numel]
 
 
 def member_key(handle) -> str:
@@ -347,7 +214,7 @@ def send_state(
         send_s += time.perf_counter() - t0
 
     try:
-        spec = _spec_to_json(buckets)
+        spec = spec_to_json(buckets)
         fresh = spec != group.spec  # rank 0 decides; the other senders follow its header
         header = torch.tensor([version, len(spec) if fresh else 0, senders, direct_bytes], dtype=torch.int64)
         t0 = time.perf_counter()
@@ -405,7 +272,7 @@ def receive_state(group: SyncGroup) -> tuple[int, dict[str, torch.Tensor]]:
         if group.spec is None:
             raise RuntimeError(f"weight push {version}: no layout received in group {group.name}")
         out: dict[str, torch.Tensor] = {}
-        for b, bucket in enumerate(_spec_from_json(group.spec)):
+        for b, bucket in enumerate(spec_from_json(group.spec)):
             buf = group.buffers.get(f"bucket{b}", bucket_size(bucket))
             staged = []  # (pieces, staging buffer) of messages that are copied into place once received
             for r in range(senders):
@@ -557,6 +424,61 @@ class WeightSync:
 
     def close(self) -> None:
         self.store = None
+
+
+class ColocatedSync:
+    """Driver side of the colocated handoff (rapo_ray/workers/colocated.py); the same calls as ``WeightSync`` (``push``, ``reset``, ``close``,
+    ``needs_new_group``), so the trainer and ``push_weights`` take either.
+
+    Every learner rank needs ``export_weights(version, dtype, senders, prefix)`` and every worker
+    ``import_weights(segments)``."""
+
+    kind = "colocated"  # (a run's summary.json says which sync it used)
+
+    def __init__(self, timeout_s: float = 600.0, dtype: str = "float32"):
+        self.timeout_s, self.dtype = timeout_s, dtype
+        self.prefix = f"rapo_weights_{os.getpid()}_{int(time.time() * 1000) % 10**9}"
+        self.last_ms = 0.0
+        self.last: dict = {}
+
+    def reset(self) -> None:
+        """Nothing to re-form: each push hands every worker the handles afresh."""
+
+    def needs_new_group(self, learners: list, workers: list) -> bool:
+        return False  # (a dead worker fails its own import; ``push_weights`` replaces it and pushes again)
+
+    def push(self, learners: list, workers: list, version: int) -> float:
+        """Export ``version`` on every learner rank, then import it on every worker; returns the milliseconds."""
+        t0 = time.perf_counter()
+        exported = gather_push(
+            [r.export_weights.remote(version, self.dtype, len(learners), self.prefix) for r in learners],
+            "exporting",
+            self.timeout_s,
+            n_learners=len(learners),
+        )
+        t1 = time.perf_counter()
+        segments = [e["segment"] for e in exported]
+        got = gather_push([w.import_weights.remote(segments) for w in workers], "loading", self.timeout_s, 0)
+        if got != [version] * len(workers):
+            raise RuntimeError(f"weight push {version}: the workers report versions {got}")
+        self.last_ms = (time.perf_counter() - t0) * 1000
+        self.last = {
+            **{k: v for k, v in exported[0].items() if k != "segment"},
+            "bytes": sum(e["segment"].nbytes for e in exported),
+            "export_s": t1 - t0,
+            "import_s": time.perf_counter() - t1,
+            "ms": self.last_ms,
+            "slowest_sender_s": max(e["learner_s"] for e in exported),
+        }
+        return self.last_ms
+
+    def close(self) -> None:
+        """Remove CPU segments left under this run's prefix on this machine (a learner that was killed cannot)."""
+        for path in glob.glob(os.path.join(shared_dir(), f"{self.prefix}-*")):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
 
 class SyncMember:

@@ -13,9 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
-from rapo_ray.workers.sync import (
-    shard_rows,
-)
+from rapo_ray.workers.weight_layout import shard_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 

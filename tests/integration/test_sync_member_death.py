@@ -14,7 +14,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from rapo_ray.workers.sync import LAZY_CONNECT_MIN_MEMBERS, SyncGroup, TensorSlot, receive_state, send_state, shard_rows
+from rapo_ray.workers.sync import LAZY_CONNECT_MIN_MEMBERS, SyncGroup, receive_state, send_state
+from rapo_ray.workers.weight_layout import TensorSlot, shard_rows
 
 WORLD, SENDERS = 4, 2
 

@@ -376,9 +376,10 @@ def test_colocated_workers_sit_in_the_learners_bundles_and_get_the_weights_throu
     from ray.util.placement_group import placement_group_table
 
     from rapo_ray.training.trainer import push_weights
-    from rapo_ray.workers.colocated import ColocatedSync, shared_dir
+    from rapo_ray.workers.colocated import shared_dir
     from rapo_ray.workers.learner import LearnerGroup
     from rapo_ray.workers.rollout import ColocatedSpawner, RolloutFleet
+    from rapo_ray.workers.sync import ColocatedSync
 
     rc = replace(fleet_cfg.resources, cpus_per_learner=0.5, colocate=True)
     cfg = replace(fleet_cfg, resources=rc, rollout=replace(fleet_cfg.rollout, max_workers=2)).validate()

@@ -12,9 +12,10 @@ import torch
 from rapo_ray.config import Config
 from rapo_ray.core.errors import ConfigError
 from rapo_ray.launch.plan import resolve_colocate, resource_needs, resource_plan
-from rapo_ray.workers.colocated import ColocatedSync, SegmentExporter, SegmentImporter, SharedSegment
+from rapo_ray.workers.colocated import SegmentExporter, SegmentImporter, SharedSegment
 from rapo_ray.workers.learner import learner_bundles
-from rapo_ray.workers.sync import TensorSlot, shard_rows
+from rapo_ray.workers.sync import ColocatedSync
+from rapo_ray.workers.weight_layout import TensorSlot, shard_rows
 
 
 def _export(exporters, weights, rows, version, wire_dtype, prefix):
@@ -199,3 +200,21 @@ def test_the_check_compares_what_was_learned_and_leaves_out_times_speeds_and_mem
     assert compare_steps(a, b) == {"steps": 2, "keys_compared": ["entropy", "reward", "step"],
                                    "differ": {"reward": [2], "entropy": [2]}}  # fmt: skip
     assert compare_steps(a, b[:1])["differ"] == {"(step count)": [2, 1]}
+
+
+def test_the_handoff_imports_without_ray():
+    """The GPU box has no Ray before benchmarks/gpu_job.py installs it, and gpu_check.py runs the handoff there:
+    colocated.py and the layout it shares with the network sync must import with torch alone."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'ray': raise ImportError('no Ray on this box')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import rapo_ray.workers.colocated, rapo_ray.engines.torch_engine\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

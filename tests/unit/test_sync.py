@@ -13,18 +13,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rapo_ray.workers.sync import (
-    SyncGroup,
+from rapo_ray.workers.sync import SyncGroup, messages, receive_state, send_state
+from rapo_ray.workers.weight_layout import (
     TensorSlot,
     bucket_size,
     is_whole,
     message_size,
-    messages,
     pack_segment,
     plan_buckets,
-    receive_state,
     segment,
-    send_state,
     shard_rows,
     unpack,
 )
