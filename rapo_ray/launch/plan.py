@@ -19,6 +19,7 @@ class ResourceNeeds:
 
     learner_cpus: float
     learner_gpus: float
+    learner_group_cpus: float  # what the learners' placement group reserves: colocated, also the paired workers'
     rollout_cpus_start: float  # rollout.num_workers workers
     rollout_cpus_max: float  # rollout.max_workers workers
     gpus_start: float  # learners + rollout.num_workers workers + retrieval.min_replicas replicas
@@ -47,8 +48,10 @@ def resource_needs(cfg: Config) -> ResourceNeeds:
     learner_gpus = lc.world_size * (rc.colocated_gpus if colocated else rc.gpus_per_learner)
     worker_gpus = 0.0 if colocated else rc.gpus_per_rollout_worker
     max_workers = ro.num_workers if colocated else ro.max_workers
+    paired_workers = min(ro.num_workers, lc.world_size) if colocated else 0
     return ResourceNeeds(
         learner_cpus=lc.world_size * rc.cpus_per_learner,
+        learner_group_cpus=lc.world_size * rc.cpus_per_learner + paired_workers * rc.cpus_per_rollout_worker,
         learner_gpus=learner_gpus,
         rollout_cpus_start=ro.num_workers * rc.cpus_per_rollout_worker,
         rollout_cpus_max=max_workers * rc.cpus_per_rollout_worker,
@@ -87,11 +90,11 @@ def resolve_colocate(cfg: Config, cluster_gpus: float) -> str | None:
 def learners_start_before_buffer(cfg: Config, free_cpus: float) -> bool:
     """Whether the learner ranks may start before RAPO's buffer is built (the launcher's overlap): only where the
     build's actors (``BUILD_CPUS``) still fit beside them in ``free_cpus``; on a cluster sized for the run alone
-    they may not, and the build would wait for CPUs that the learners hold. Always, for an algorithm without a
-    buffer."""
+    they may not, and the build would wait for CPUs that the learners hold. Colocated, the learners' bundles hold
+    their paired workers' CPUs from the start. Always, for an algorithm without a buffer."""
     if not hybrid_slots(cfg):
         return True
-    return free_cpus - resource_needs(cfg).learner_cpus >= BUILD_CPUS
+    return free_cpus - resource_needs(cfg).learner_group_cpus >= BUILD_CPUS
 
 
 def fit_cpus(cfg: Config, cluster_cpus: float) -> str | None:

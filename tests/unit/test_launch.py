@@ -38,6 +38,10 @@ def test_the_learners_start_before_the_buffer_only_where_its_build_still_fits():
     rapo.resources.cpus_per_learner = 0.5  # a 2-CPU cluster's fitted shares (fit_cpus)
     assert learners_start_before_buffer(rapo, 3.0) and not learners_start_before_buffer(rapo, 2.0)
     assert learners_start_before_buffer(load_config(overrides=["algo.name=grpo"]), 0.0)  # no buffer to build
+    # colocated: rank r's bundle also holds rollout worker r's CPUs (2 ranks x (1 + 1) here), from the start
+    colocated = load_config(overrides=["resources.colocate=true"])
+    assert colocated.rollout.num_workers == 2 and colocated.resources.cpus_per_rollout_worker == 1.0
+    assert learners_start_before_buffer(colocated, 6.0) and not learners_start_before_buffer(colocated, 5.5)
 
 
 def test_a_submitted_jobs_own_env_vars_win_over_the_drivers(monkeypatch):
