@@ -10,10 +10,12 @@ interrupted conversion never leaves a folder that looks usable.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -86,6 +88,31 @@ def ensure_converted(gguf: str | Path, artifacts_dir: str | Path, name: str | No
     return out
 
 
+@contextmanager
+def _one_parse_per_file():
+    """transformers reads a GGUF file three times (the tokenizer, the config, the weights), each time parsing all of
+    its metadata (every vocabulary string through a numpy view), and builds gguf's tensor-name map again for each of
+    the model's ~400 modules: most of a conversion's time. Within this block each file's ``gguf.GGUFReader`` and each
+    (architecture, blocks) name map is made once and handed out again. transformers looks both up on the ``gguf``
+    module at each call and only reads from them."""
+    import gguf
+
+    made_reader, made_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict = {}
+
+    def reader(path, mode="r"):
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = made_reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(made_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = made_reader, made_map
+
+
 def _load_gguf(gguf: Path):
     """(float32 model without a quantization config, tokenizer) of a GGUF file."""
     try:
@@ -96,8 +123,9 @@ def _load_gguf(gguf: Path):
     if importlib.util.find_spec("gguf") is None or importlib.util.find_spec("accelerate") is None:
         raise ModelLoadError(f"converting {gguf} needs the gguf and accelerate packages: pip install -e '.[models]'")
     try:
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        with _one_parse_per_file():
+            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     except Exception as exc:
         raise ModelLoadError(
             f"GGUF file {gguf} could not be read ({type(exc).__name__}: {str(exc)[:200]}); is it truncated or corrupt?"

@@ -36,6 +36,7 @@ def test_two_rapo_steps_of_the_real_model_recipe(ray_session, smollm2_dir, tmp_p
             "cold_start.steps=2",
             "cold_start.batch_size=2",
             "rollout.engine=torch",
+            "rollout.threads_per_worker=2",  # the one worker rolls out (and evaluates) while the learners wait
             "rollout.max_response_tokens=128",
             "rollout.max_step_tokens=48",
             f"algo.group_size={GROUP}",

@@ -118,6 +118,32 @@ def test_a_missing_truncated_or_corrupt_gguf_gets_a_clear_error(tmp_path, monkey
         load_config(overrides=["cold_start.examples=10"])
 
 
+def test_a_conversion_parses_its_gguf_once_and_leaves_the_gguf_module_as_it_was(tmp_path):
+    """transformers opens a GGUF three times and builds a tensor-name map per module; within the conversion's block
+    each is made once (the converted SmolLM2 folder came out byte for byte the same: docs/RESULTS.md)."""
+    gguf = pytest.importorskip("gguf", reason="the models extra (scripts/install.sh installs it)")
+    from rapo_ray.model.gguf import _one_parse_per_file
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_token_list(["a", "b", "c"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    made_reader, made_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    arch = gguf.MODEL_ARCH.LLAMA
+    with _one_parse_per_file():
+        first, again = gguf.GGUFReader(path), gguf.GGUFReader(str(path))
+        assert first is again and isinstance(first, made_reader)
+        assert [
+            bytes(first.fields["tokenizer.ggml.tokens"].parts[i]) for i in first.fields["tokenizer.ggml.tokens"].data
+        ] == [b"a", b"b", b"c"]
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+    assert gguf.GGUFReader is made_reader and gguf.get_tensor_name_map is made_map
+    assert made_reader(path) is not made_reader(path)  # outside the block every read parses again
+
+
 def test_pad_token_id_reads_config_json_as_transformers_does(tiny_model_dir, tmp_path):
     from transformers import AutoConfig
 
