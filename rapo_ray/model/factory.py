@@ -18,7 +18,7 @@ import torch
 from rapo_ray.core.errors import ModelLoadError
 from rapo_ray.envs import tasks
 from rapo_ray.model.gguf import ensure_converted, packaged_gguf
-from rapo_ray.model.light_imports import hide_sklearn_from_transformers
+from rapo_ray.model.light_imports import hide_unused_packages_from_transformers
 from rapo_ray.types import protocol
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -81,7 +81,7 @@ def load_tokenizer(path: str | Path):
 
 def build_model(model_cfg, vocab_size: int, bos_id: int, eos_id: int, pad_id: int):
     """A randomly initialised Qwen2ForCausalLM of the configured size."""
-    hide_sklearn_from_transformers()
+    hide_unused_packages_from_transformers()
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     if vocab_size <= 0:
@@ -119,7 +119,7 @@ def has_weights(path: str | Path) -> bool:
 
 def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu"):
     """Load an HF causal LM folder; clear errors for a missing or corrupt folder."""
-    hide_sklearn_from_transformers()
+    hide_unused_packages_from_transformers()
     from transformers import AutoModelForCausalLM
 
     p = Path(path)
@@ -156,7 +156,7 @@ def model_from_state_dict(path: str | Path, state_dict: dict, dtype: str = "floa
     """The HF model of folder ``path``'s architecture holding ``state_dict`` (cast to ``dtype``), built on the meta
     device and given the tensors: no copy of the folder's own weights is loaded (at the 0.5B shape, 2 GB less at
     every checkpoint write)."""
-    hide_sklearn_from_transformers()
+    hide_unused_packages_from_transformers()
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if dtype not in _DTYPES:

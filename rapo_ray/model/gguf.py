@@ -23,7 +23,7 @@ import torch
 from rapo_ray.config.presets import PACKAGED_MODELS, PackagedModel
 from rapo_ray.core.errors import ModelLoadError
 from rapo_ray.core.files import file_sha256
-from rapo_ray.model.light_imports import hide_sklearn_from_transformers
+from rapo_ray.model.light_imports import hide_unused_packages_from_transformers
 
 CONVERTER_VERSION = 1  # bump when the conversion changes, so cached folders are rebuilt
 _MARKER = "converted_from.json"  # written last: a folder without it is not a finished conversion
@@ -116,7 +116,7 @@ def _one_parse_per_file():
 def _load_gguf(gguf: Path):
     """(float32 model without a quantization config, tokenizer) of a GGUF file."""
     try:
-        hide_sklearn_from_transformers()
+        hide_unused_packages_from_transformers()
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:  # pragma: no cover - transformers is a core dependency
         raise ModelLoadError(f"converting {gguf} needs transformers: {exc}") from exc

@@ -1,23 +1,26 @@
-"""Keep scikit-learn out of processes that load a model.
+"""Keep scikit-learn and SciPy out of processes that load a model.
 
-transformers' generation module (imported by every ``AutoModel*`` class and every causal LM) imports scikit-learn,
-and with it SciPy, whenever scikit-learn is installed (it is here: sentence-transformers, the packaged MiniLM's
-dependency, needs it). The import is only for assisted decoding's confidence threshold, which nothing here uses, and
-it costs every learner rank, rollout worker and retrieval replica CPU at start, on the cores the run is starting on
-(docs/RESULTS.md, Performance by component)."""
+transformers imports both whenever they are installed (they are here: sentence-transformers, the packaged MiniLM's
+dependency, needs them), in modules every causal LM loads: its generation module imports scikit-learn (with SciPy)
+for assisted decoding's confidence threshold, and its loss registry imports ``scipy.optimize`` for the Hungarian
+matching of object-detection losses. Nothing here uses either, and they cost every learner rank, rollout worker and
+retrieval replica CPU at start, on the cores the run is starting on: hiding SciPy as well takes ~0.5 s off each
+model-loading process (docs/RESULTS.md, Performance by component)."""
 
 from __future__ import annotations
 
 import sys
 
-_GENERATION_MODULE = "transformers.generation.candidate_generator"
+_FIRST_IMPORTERS = ("transformers.generation.candidate_generator", "transformers.loss.loss_for_object_detection")
 
 
-def hide_sklearn_from_transformers() -> bool:
-    """Make transformers see no scikit-learn, before its generation module is first imported. Returns False where
-    that module is loaded already (the call is then too late and changes nothing); safe to call any number of times.
-    Assisted decoding with a confidence threshold then raises transformers' own 'needs scikit-learn' error."""
-    if _GENERATION_MODULE in sys.modules:
+def hide_unused_packages_from_transformers() -> bool:
+    """Make transformers see no scikit-learn and no SciPy, before the modules that import them are first imported.
+    Returns False where one of those is loaded already (the call is then too late and changes nothing); safe to call
+    any number of times. Assisted decoding with a confidence threshold, or an object-detection loss, then raises
+    transformers' own 'needs scikit-learn' / 'needs scipy' error. SciPy itself stays importable (the lexical
+    retrieval backend uses ``scipy.sparse``)."""
+    if any(name in sys.modules for name in _FIRST_IMPORTERS):
         return False
     import transformers.utils
     from transformers.utils import import_utils
@@ -25,6 +28,7 @@ def hide_sklearn_from_transformers() -> bool:
     def not_installed() -> bool:
         return False
 
-    transformers.utils.is_sklearn_available = not_installed
-    import_utils.is_sklearn_available = not_installed
+    for module in (transformers.utils, import_utils):
+        module.is_sklearn_available = not_installed
+        module.is_scipy_available = not_installed
     return True

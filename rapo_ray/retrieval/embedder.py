@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from rapo_ray.core.devices import parse_device
-from rapo_ray.model.light_imports import hide_sklearn_from_transformers
+from rapo_ray.model.light_imports import hide_unused_packages_from_transformers
 from rapo_ray.types.batch import length_sorted_groups
 
 DIM = 384
@@ -120,7 +120,7 @@ class Embedder:
         self.pad_slack = (0.1 if self.device.type == "cpu" else float("inf")) if pad_slack is None else pad_slack
 
     def _load_model(self, path: Path, last_position_only: bool) -> None:
-        hide_sklearn_from_transformers()
+        hide_unused_packages_from_transformers()
         from transformers import AutoModel
 
         self.model = AutoModel.from_pretrained(str(path)).eval().to(self.device)

@@ -53,30 +53,28 @@ def test_k0_is_the_synchronous_step_bit_for_bit(sync_cfg, policy_dir, tmp_path):
     trainer = _trainer(cfg, policy_dir, tmp_path / "a")
     try:
         trainer.sync_weights()
+        start = trainer.save()  # step 0: the reference below starts where the steps did
         steps = [trainer.step() for _ in range(2)]
         weights = trainer.learners.state_dict()
+        assert trainer._learner_thread is None and not trainer.ahead  # no thread, nothing rolled out ahead
+        assert all(m["staleness_max"] == 0 and m["staleness/lag0"] == 8 for m in steps)
+        # the reference: the step's stages called by hand in their synchronous order, on the same actors from the
+        # step-0 checkpoint (weights, optimizer, sampler and RNG state; a fresh Trainer's load is test_k1's)
+        trainer.load(start)
+        for s in range(2):
+            groups = trainer._sample_groups(cfg.trainer.prompts_per_step, s)
+            batch, _ = trainer.fleet.run_step(groups, cfg.algo.group_size, seed=cfg.trainer.seed * 7919 + s)
+            skip = old_pass_reason(cfg, len(batch), trainer.algorithm) is None  # one update on fresh rows: GRPO skips
+            (trainer.learners.learner_batch if skip else trainer.learners.forward_old)(batch)
+            compute_advantages(batch, trainer.algorithm, cfg.algo, on=cfg.trainer.advantages_on)
+            trainer.learners.update(batch, s, old_from_update=skip)
+            assert steps[s]["update/old_pass_skipped"] == float(skip)
+            trainer.version = s + 1
+            trainer.sync_weights()
+            assert steps[s]["reward"] == pytest.approx(sum(batch.rewards()) / len(batch), abs=0)
+        assert _equal(weights, trainer.learners.state_dict())
     finally:
         trainer.shutdown()
-    assert trainer._learner_thread is None and not trainer.ahead  # no thread, nothing rolled out ahead
-    assert all(m["staleness_max"] == 0 and m["staleness/lag0"] == 8 for m in steps)
-    # the reference: the step's stages called by hand in their synchronous order
-    ref = _trainer(cfg, policy_dir, tmp_path / "b")
-    try:
-        ref.sync_weights()
-        for s in range(2):
-            groups = ref._sample_groups(cfg.trainer.prompts_per_step, s)
-            batch, _ = ref.fleet.run_step(groups, cfg.algo.group_size, seed=cfg.trainer.seed * 7919 + s)
-            skip = old_pass_reason(cfg, len(batch), ref.algorithm) is None  # one update on fresh rows: GRPO skips
-            (ref.learners.learner_batch if skip else ref.learners.forward_old)(batch)
-            compute_advantages(batch, ref.algorithm, cfg.algo, on=cfg.trainer.advantages_on)
-            ref.learners.update(batch, s, old_from_update=skip)
-            assert steps[s]["update/old_pass_skipped"] == float(skip)
-            ref.version = s + 1
-            ref.sync_weights()
-            assert steps[s]["reward"] == pytest.approx(sum(batch.rewards()) / len(batch), abs=0)
-        assert _equal(weights, ref.learners.state_dict())
-    finally:
-        ref.shutdown()
 
 
 def test_k1_rolls_out_ahead_and_resumes_from_the_queue_exactly(ahead_cfg, sync_cfg, policy_dir, tmp_path):

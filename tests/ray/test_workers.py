@@ -4,6 +4,7 @@ checkpoints."""
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -13,6 +14,63 @@ import torch
 from rapo_ray.model.factory import pad_token_id
 from rapo_ray.types.learner_batch import LearnerBatch, from_numpy
 from rapo_ray.types.trajectory import Task, Trajectory
+
+
+class _RankCalls:
+    """``rank.update(x)`` for ``ray.get(host.call.remote("update", x))``."""
+
+    def __init__(self, host):
+        self._host = host
+
+    def __getattr__(self, method):
+        return lambda *args: ray.get(self._host.call.remote(method, *args))
+
+
+@pytest.fixture(scope="module")
+def rank_host(ray_session):
+    """One Ray worker process that builds single-rank ``LearnerWorker``s, one at a time, for the tests of a rank's
+    maths: each rank is built fresh (model loaded, new optimizer, new gloo group), but the process start (imports,
+    transformers' ~4 s) is paid once per module instead of once per rank. Calls cross Ray as a rank actor's do.
+    (Defined here so that Ray ships the class by value: workers cannot import this test module.)"""
+
+    class LearnerRankHost:
+        def __init__(self):
+            self.rank = None
+
+        def start(self, model_dir: str, cfg_dict: dict) -> bool:
+            from rapo_ray.core.net import free_port
+            from rapo_ray.workers.learner import LearnerWorker
+
+            self.stop()
+            self.rank = LearnerWorker(0, 1, free_port(), model_dir, cfg_dict, "gloo")
+            return True
+
+        def call(self, method: str, *args):
+            return getattr(self.rank, method)(*args)
+
+        def stop(self) -> bool:
+            if self.rank is not None:
+                self.rank.shutdown()
+                self.rank = None
+            return True
+
+    host = ray.remote(num_cpus=0.5)(LearnerRankHost).remote()
+    yield host
+    ray.get(host.stop.remote())
+    ray.kill(host)
+
+
+@contextmanager
+def learner_rank(host, model_dir, cfg):
+    """A fresh single-rank learner on ``cfg`` in the module's host process; shut down (its gloo group destroyed) on
+    exit."""
+    from dataclasses import asdict
+
+    ray.get(host.start.remote(str(model_dir), asdict(cfg)))
+    try:
+        yield _RankCalls(host)
+    finally:
+        ray.get(host.stop.remote())
 
 
 def _groups(n):
@@ -431,20 +489,17 @@ def test_a_push_whose_worker_ray_killed_for_memory_is_a_dead_worker_not_a_learne
         gather_push([receive.remote(), send.remote(), send.remote()], "sending", 30.0, n_learners=2)
 
 
-def test_kl_penalty_pulls_the_policy_back_to_the_starting_model(ray_session, fleet_cfg, tiny_model_dir):
+def test_kl_penalty_pulls_the_policy_back_to_the_starting_model(rank_host, fleet_cfg, tiny_model_dir):
     """algo.kl_coef > 0: the learner keeps a frozen copy of the starting model; KL is 0 before any update,
     > 0 after a policy-gradient step, and zero-advantage updates (KL term only) shrink it again."""
-    from dataclasses import asdict, replace
+    from dataclasses import replace
 
     from rapo_ray.core.metrics import merge_actor_stats
-    from rapo_ray.core.net import free_port
-    from rapo_ray.workers.learner import LearnerWorker
 
     cfg = replace(
         fleet_cfg, algo=replace(fleet_cfg.algo, kl_coef=1.0), learner=replace(fleet_cfg.learner, lr=3e-3, world_size=1)
     )
-    actor = ray.remote(num_cpus=0.5)(LearnerWorker).remote(0, 1, free_port(), str(tiny_model_dir), asdict(cfg), "gloo")
-    try:
+    with learner_rank(rank_host, tiny_model_dir, cfg) as rank:
         # 4 rows: 3 prompt tokens, 6..9 response tokens, trained on all but a 2-token tool result
         trajs = [
             Trajectory(
@@ -461,33 +516,28 @@ def test_kl_penalty_pulls_the_policy_back_to_the_starting_model(ray_session, fle
             for i in range(4)
         ]
         batch = LearnerBatch.from_trajectories(trajs, pad_token_id(tiny_model_dir))
-        ((old, ent),) = ray.get(actor.forward_old.remote([batch]))["passes"]
+        ((old, ent),) = rank.forward_old([batch])["passes"]
         generated = batch.loss_mask.numpy() > 0  # the old-policy pass reads generated targets only
         assert (old[generated] < 0).all() and (ent[generated] > 0).all()
         assert not old[~generated].any() and not ent[~generated].any()
         batch.old_logprobs = from_numpy(old)
         batch = batch.with_signal({"advantage": [1.0 if i % 2 else -1.0 for i in range(4)], "shaping": [1.0] * 4})
         denominator = float(sum(t.loss_mask.sum() for t in trajs))
-        push = merge_actor_stats([ray.get(actor.update.remote([([batch], denominator)]))])
+        push = merge_actor_stats([rank.update([([batch], denominator)])])
         assert push["kl_ref"] == pytest.approx(0.0, abs=1e-7)  # the first forward is the reference itself
-        ((moved, _),) = ray.get(actor.forward_old.remote([batch]))["passes"]
+        ((moved, _),) = rank.forward_old([batch])["passes"]
         batch = batch.with_signal({"advantage": [0.0] * 4, "shaping": [1.0] * 4})
         batch.old_logprobs = from_numpy(moved)
-        kls = [merge_actor_stats([ray.get(actor.update.remote([([batch], denominator)]))])["kl_ref"] for _ in range(4)]
+        kls = [merge_actor_stats([rank.update([([batch], denominator)])])["kl_ref"] for _ in range(4)]
         assert kls[0] > 1e-4 and kls[-1] < 0.5 * kls[0]
-    finally:
-        ray.get(actor.shutdown.remote())
-        ray.kill(actor)
 
 
-def test_micro_batches_accumulate_to_the_same_update(ray_session, fleet_cfg, tiny_model_dir):
+def test_micro_batches_accumulate_to_the_same_update(rank_host, fleet_cfg, tiny_model_dir):
     """learner.micro_batch_size: a mini-batch's rows in 1-row micro-batches (gradients accumulated) give the
     update that one 4-row micro-batch gives, to float tolerance; and the config splits a share as asked."""
-    from dataclasses import asdict, replace
+    from dataclasses import replace
 
     from rapo_ray.core.metrics import merge_actor_stats
-    from rapo_ray.core.net import free_port
-    from rapo_ray.workers.learner import LearnerWorker
 
     assert replace(fleet_cfg.learner, micro_batch_size=0).micro_rows(8) == 8
     assert replace(fleet_cfg.learner, micro_batch_size=3).micro_rows(8) == 3
@@ -496,20 +546,14 @@ def test_micro_batches_accumulate_to_the_same_update(ray_session, fleet_cfg, tin
     batch, denominator = _four_rows(tiny_model_dir)
     results = []
     for micro in (False, True):
-        actor = ray.remote(num_cpus=0.5)(LearnerWorker).remote(
-            0, 1, free_port(), str(tiny_model_dir), asdict(cfg), "gloo"
-        )
-        try:
-            old = from_numpy(ray.get(actor.forward_old.remote([batch]))["passes"][0][0])
+        with learner_rank(rank_host, tiny_model_dir, cfg) as rank:
+            old = from_numpy(rank.forward_old([batch])["passes"][0][0])
             full = batch.with_signal({"advantage": [1.0 if r % 2 else -1.0 for r in range(4)], "shaping": [1.0] * 4})
             full.old_logprobs = old
             split = [full.select([i]) for i in range(4)] if micro else [full]
-            stats = merge_actor_stats([ray.get(actor.update.remote([(split, denominator)]))])
-            after = from_numpy(ray.get(actor.forward_old.remote([batch]))["passes"][0][0])
+            stats = merge_actor_stats([rank.update([(split, denominator)])])
+            after = from_numpy(rank.forward_old([batch])["passes"][0][0])
             results.append((stats, after, old))
-        finally:
-            ray.get(actor.shutdown.remote())
-            ray.kill(actor)
     (whole, after_whole, old), (micro, after_micro, _) = results
     assert micro["loss_sum"] == pytest.approx(whole["loss_sum"], abs=1e-6)
     assert micro["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
@@ -520,17 +564,16 @@ def test_micro_batches_accumulate_to_the_same_update(ray_session, fleet_cfg, tin
 
 @pytest.mark.parametrize("correction", ["none", "truncate"])
 def test_the_update_standing_in_for_the_old_pass_gives_the_same_loss_gradients_and_values(
-    ray_session, fleet_cfg, tiny_model_dir, correction
+    rank_host, fleet_cfg, tiny_model_dir, correction
 ):
     """One optimizer step over the step's rows (rapo_ray/algos/old_pass.py): the update whose own log-probs,
     detached, are pi_old gives the loss, the gradient norm and the new weights that the separate old-policy pass
     gives, and hands back that pass's log-probs and entropies; in 2-row micro-batches, as the trainer splits a rank's
     rows. ``truncate``: rows rolled out ahead by older weights (algo.max_staleness=1), whose engine log-probs differ
     from pi_old by up to 1 nat, so that some behaviour weights pi_old / pi_behaviour are cut at the cap of 2."""
-    from dataclasses import asdict, replace
+    from dataclasses import replace
 
     from rapo_ray.core.metrics import merge_actor_stats
-    from rapo_ray.core.net import free_port
     from rapo_ray.workers.learner import LearnerWorker
 
     algo = replace(fleet_cfg.algo, behaviour_correction=correction, behaviour_cap=2.0)
@@ -539,23 +582,17 @@ def test_the_update_standing_in_for_the_old_pass_gives_the_same_loss_gradients_a
     full = batch.with_signal({"advantage": [1.0, -1.0, 0.5, -0.5], "shaping": [1.0] * 4})
     results = []
     for skip in (False, True):
-        actor = ray.remote(num_cpus=0.5)(LearnerWorker).remote(
-            0, 1, free_port(), str(tiny_model_dir), asdict(cfg), "gloo"
-        )
-        try:
-            ((old, ent),) = ray.get(actor.forward_old.remote([batch]))["passes"]  # before the update: pi_old
+        with learner_rank(rank_host, tiny_model_dir, cfg) as rank:
+            ((old, ent),) = rank.forward_old([batch])["passes"]  # before the update: pi_old
             mini = replace(full, old_logprobs=None if skip else from_numpy(old))
             if correction != "none":  # the engine's log-probs: pi_old shifted by -1 .. +0.2 nats
                 gap = torch.tensor([0.5, 1.0, -0.2, 0.3, 0.4, 0.7])[torch.arange(old.shape[1]) % 6]
                 mini.behaviour_logprobs = (from_numpy(old) - gap) * mini.loss_mask
             micro = [mini.select([0, 1]), mini.select([2, 3])]
-            out = ray.get(actor.update.remote([(micro, denominator)], skip))
+            out = rank.update([(micro, denominator)], skip)
             stats, passes = out if skip else (out, None)
-            after = from_numpy(ray.get(actor.forward_old.remote([batch]))["passes"][0][0])
+            after = from_numpy(rank.forward_old([batch])["passes"][0][0])
             results.append((merge_actor_stats([stats]), after, old, ent, passes))
-        finally:
-            ray.get(actor.shutdown.remote())
-            ray.kill(actor)
     (with_pass, after_pass, old, ent, _), (skipped, after_skip, _, _, passes) = results
     assert skipped["loss_sum"] == pytest.approx(with_pass["loss_sum"], abs=1e-6)
     assert skipped["grad_norm"] == pytest.approx(with_pass["grad_norm"], rel=1e-5)
@@ -574,15 +611,13 @@ def test_the_update_standing_in_for_the_old_pass_gives_the_same_loss_gradients_a
         LearnerWorker.update(None, [([], 1.0), ([], 1.0)], True)
 
 
-def test_the_behaviour_correction_reaches_the_learners_loss(ray_session, fleet_cfg, tiny_model_dir):
+def test_the_behaviour_correction_reaches_the_learners_loss(rank_host, fleet_cfg, tiny_model_dir):
     """algo.behaviour_correction=truncate on a learner rank: engine log-probs equal to pi_old (weight 1) give the
     uncorrected update; an engine that gave every token 4x less probability than pi_old (weight 4, cut to 2) doubles
     the loss, and the update reports the weights it used."""
-    from dataclasses import asdict, replace
+    from dataclasses import replace
 
     from rapo_ray.core.metrics import merge_actor_stats
-    from rapo_ray.core.net import free_port
-    from rapo_ray.workers.learner import LearnerWorker
 
     trajs = [
         Trajectory(f"g{i}", i, "on_policy", f"p{i}", "qa", (), prompt_ids=[3, 4, 5],
@@ -593,21 +628,15 @@ def test_the_behaviour_correction_reaches_the_learners_loss(ray_session, fleet_c
     for correction, engine_gap in (("none", 0.0), ("truncate", 0.0), ("truncate", -math.log(4.0))):
         algo = replace(fleet_cfg.algo, behaviour_correction=correction, behaviour_cap=2.0)
         cfg = replace(fleet_cfg, algo=algo, learner=replace(fleet_cfg.learner, world_size=1))
-        actor = ray.remote(num_cpus=0.5)(LearnerWorker).remote(
-            0, 1, free_port(), str(tiny_model_dir), asdict(cfg), "gloo"
-        )
-        try:
+        with learner_rank(rank_host, tiny_model_dir, cfg) as rank:
             batch = LearnerBatch.from_trajectories(trajs, pad_token_id(tiny_model_dir), behaviour=correction != "none")
-            old = from_numpy(ray.get(actor.forward_old.remote([batch]))["passes"][0][0])
+            old = from_numpy(rank.forward_old([batch])["passes"][0][0])
             full = batch.with_signal({"advantage": [1.0, -2.0], "shaping": [1.0, 1.0]})
             full.old_logprobs = old
             if full.behaviour_logprobs is not None:
                 full.behaviour_logprobs = (old + engine_gap) * full.loss_mask
-            stats = merge_actor_stats([ray.get(actor.update.remote([([full], 8.0)]))])
+            stats = merge_actor_stats([rank.update([([full], 8.0)])])
             losses[(correction, engine_gap)] = stats
-        finally:
-            ray.get(actor.shutdown.remote())
-            ray.kill(actor)
     plain, same, stale = losses.values()
     assert same["loss_sum"] == pytest.approx(plain["loss_sum"], rel=1e-6) and same["behaviour_weight_mean"] == 1.0
     assert stale["loss_sum"] == pytest.approx(2 * plain["loss_sum"], rel=1e-5)
@@ -704,23 +733,20 @@ def test_update_deals_each_mini_batch_to_the_ranks_balanced(ray_session, fleet_c
     assert sorted(long_rank[0]) == [0, 4] and sorted(short_rank[0]) == [1, 2, 3, 5, 6, 7]  # 2 x 42 vs 6 x 10 tokens
 
 
-def test_checkpoint_in_a_lower_dtype_keeps_fp32_master_weights(ray_session, fleet_cfg, tiny_model_dir, tmp_path):
+def test_checkpoint_in_a_lower_dtype_keeps_fp32_master_weights(rank_host, fleet_cfg, tiny_model_dir, tmp_path):
     """model.dtype=bfloat16: the checkpoint is an HF folder in bf16 (what engines and serving load), and a resume
     continues from the exact fp32 master weights kept in optimizer.pt, not from their bf16 rounding."""
-    from dataclasses import asdict, replace
+    from dataclasses import replace
 
     from safetensors import safe_open
 
-    from rapo_ray.core.net import free_port
     from rapo_ray.model.factory import load_model
-    from rapo_ray.workers.learner import LearnerWorker
 
     cfg = replace(
         fleet_cfg,
         model=replace(fleet_cfg.model, dtype="bfloat16"),
         learner=replace(fleet_cfg.learner, lr=3e-3, world_size=1),
     )
-    make = ray.remote(num_cpus=0.5)(LearnerWorker)
     trajs = [
         Trajectory(f"g{i}", i, "on_policy", f"p{i}", "qa", (), prompt_ids=[3, 4, 5],
                    response_ids=list(range(6, 12 + i)), loss_mask=[1] * (6 + i))
@@ -730,27 +756,19 @@ def test_checkpoint_in_a_lower_dtype_keeps_fp32_master_weights(ray_session, flee
         {"advantage": [1.0, -1.0], "shaping": [1.0, 1.0]}
     )
     path = tmp_path / "step-1"
-    actor = make.remote(0, 1, free_port(), str(tiny_model_dir), asdict(cfg), "gloo")
-    try:
-        batch.old_logprobs = from_numpy(ray.get(actor.forward_old.remote([batch]))["passes"][0][0])
-        ray.get(actor.update.remote([([batch], 13.0)]))
-        trained = ray.get(actor.full_state_dict.remote())
-        assert ray.get(actor.save_checkpoint.remote(str(path), str(tiny_model_dir)))
-    finally:
-        ray.get(actor.shutdown.remote())
-        ray.kill(actor)
+    with learner_rank(rank_host, tiny_model_dir, cfg) as rank:
+        batch.old_logprobs = from_numpy(rank.forward_old([batch])["passes"][0][0])
+        rank.update([([batch], 13.0)])
+        trained = rank.full_state_dict()
+        assert rank.save_checkpoint(str(path), str(tiny_model_dir))
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
     hf = load_model(path, dtype="bfloat16")
     assert torch.equal(hf.model.norm.weight, trained["model.norm.weight"].to(torch.bfloat16))
     blob = torch.load(path / "optimizer.pt", weights_only=True)
     assert all(torch.equal(blob["master"][k], v) for k, v in trained.items())
-    actor = make.remote(0, 1, free_port(), str(tiny_model_dir), asdict(cfg), "gloo")
-    try:
-        ray.get(actor.load_checkpoint.remote(str(path)))
-        resumed = ray.get(actor.full_state_dict.remote())
-    finally:
-        ray.get(actor.shutdown.remote())
-        ray.kill(actor)
+    with learner_rank(rank_host, tiny_model_dir, cfg) as rank:
+        rank.load_checkpoint(str(path))
+        resumed = rank.full_state_dict()
     assert all(torch.equal(resumed[k], v) for k, v in trained.items())
     assert any(not torch.equal(v, v.to(torch.bfloat16).float()) for v in trained.values())  # bf16 would lose bits

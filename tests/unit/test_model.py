@@ -163,14 +163,15 @@ def test_pad_token_id_reads_config_json_as_transformers_does(tiny_model_dir, tmp
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="scikit-learn is not installed here")
-def test_loading_a_model_does_not_import_scikit_learn(tiny_model_dir):
-    """transformers' generation module would import scikit-learn (and SciPy) in every model-loading process."""
+def test_loading_a_model_does_not_import_scikit_learn_or_scipy(tiny_model_dir):
+    """transformers' generation module would import scikit-learn (and SciPy), and its loss registry
+    ``scipy.optimize``, in every model-loading process (rapo_ray/model/light_imports.py)."""
     code = (
         "import sys; from rapo_ray.model.factory import load_model; "
         f"m = load_model({str(tiny_model_dir)!r}); "
         "import transformers.generation.candidate_generator as cg; "
-        "print('sklearn' in sys.modules, cg.is_sklearn_available())"
+        "print('sklearn' in sys.modules, cg.is_sklearn_available(), 'scipy.optimize' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["False", "False"]
+    assert out.stdout.split() == ["False", "False", "False"]
