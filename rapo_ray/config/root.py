@@ -46,6 +46,14 @@ class Config:
         default_factory=ServeConfig, metadata={"help": "Serving the trained agent (jobs/serve.py)."}
     )
 
+    @property
+    def colocated_pairs(self) -> int:
+        """Learner ranks whose placement-group bundle also holds a rollout worker: ranks 0..rollout.num_workers-1
+        when ``resources.colocate`` is true (``validate`` keeps rollout.num_workers <= learner.world_size), else 0.
+        What the learners' bundles are (``workers/learner.py``) and what they reserve (``launch/plan.py``) both
+        read it."""
+        return min(self.rollout.num_workers, self.learner.world_size) if self.resources.colocate is True else 0
+
     def validate(self) -> "Config":
         """Each section's own checks, the running algorithm's, then those across sections; raise ConfigError naming
         the field."""

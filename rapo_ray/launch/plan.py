@@ -48,10 +48,9 @@ def resource_needs(cfg: Config) -> ResourceNeeds:
     learner_gpus = lc.world_size * (rc.colocated_gpus if colocated else rc.gpus_per_learner)
     worker_gpus = 0.0 if colocated else rc.gpus_per_rollout_worker
     max_workers = ro.num_workers if colocated else ro.max_workers
-    paired_workers = min(ro.num_workers, lc.world_size) if colocated else 0
     return ResourceNeeds(
         learner_cpus=lc.world_size * rc.cpus_per_learner,
-        learner_group_cpus=lc.world_size * rc.cpus_per_learner + paired_workers * rc.cpus_per_rollout_worker,
+        learner_group_cpus=lc.world_size * rc.cpus_per_learner + cfg.colocated_pairs * rc.cpus_per_rollout_worker,
         learner_gpus=learner_gpus,
         rollout_cpus_start=ro.num_workers * rc.cpus_per_rollout_worker,
         rollout_cpus_max=max_workers * rc.cpus_per_rollout_worker,

@@ -475,7 +475,7 @@ def learner_bundles(cfg: Config) -> tuple[list[dict], str]:
     pair["CPU"] = rc.cpus_per_learner + rc.cpus_per_rollout_worker
     if rc.colocated_gpus:
         pair["GPU"] = rc.colocated_gpus
-    paired = min(cfg.rollout.num_workers, world)
+    paired = cfg.colocated_pairs
     return [pair] * paired + [alone] * (world - paired), "STRICT_PACK"
 
 
