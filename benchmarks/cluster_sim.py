@@ -3,6 +3,7 @@
     python benchmarks/cluster_sim.py autoscale       # fake autoscaling cluster: scale 1 -> 3 workers -> 1
     python benchmarks/cluster_sim.py node-loss       # ray.cluster_utils.Cluster: a rollout node dies mid-step
     python benchmarks/cluster_sim.py learner-loss    # a learner node dies mid-run; the run rebuilds and finishes
+    python benchmarks/cluster_sim.py node-loss --artifacts DIR   # the bundled model built once in DIR, kept there
 
 Each prints one JSON line with what it measured (times, node counts, groups) and exits non-zero on failure.
 Every Ray process is started here and stopped here by PID (never `ray stop`); everything binds to 127.0.0.1.
@@ -53,15 +54,16 @@ def _pids_under(path: str) -> list[int]:
 
 
 def _stop_pids(path: str) -> None:
+    """SIGTERM, then SIGKILL whatever is left after 3 s; returns once none is left (or 1 s after the SIGKILL)."""
     for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 1.0)):
-        pids = _pids_under(path)
-        for pid in pids:
+        for pid in _pids_under(path):
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
-        if pids:
-            time.sleep(wait)
+        deadline = time.monotonic() + wait
+        while _pids_under(path) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
 
 @contextlib.contextmanager
@@ -110,12 +112,19 @@ def _wait(pred, timeout: float, poll: float = 0.25) -> float:
 # ---------------------------------------------------------------- fake autoscaling cluster
 
 
-def autoscale(timeout: float) -> dict:
+def autoscale(timeout: float, artifacts: str = "") -> dict:
     import yaml
 
     with scenario_dir("rapo_fake_") as tmp:
         port = free_port()
-        env = dict(os.environ, **ENV, RAY_FAKE_CLUSTER="1", RAY_AUTH_TOKEN=secrets.token_hex(32))
+        # the autoscaler looks every second, not every 5 s: the same decisions, sooner (its monitor reads this at start)
+        env = dict(
+            os.environ,
+            **ENV,
+            RAY_FAKE_CLUSTER="1",
+            AUTOSCALER_UPDATE_INTERVAL_S="1",
+            RAY_AUTH_TOKEN=secrets.token_hex(32),
+        )
         os.environ.update({k: env[k] for k in ENV} | {"RAY_AUTH_TOKEN": env["RAY_AUTH_TOKEN"]})
         cfg_yaml = yaml.safe_load((REPO / "cluster" / "fake-multinode.yaml").read_text())
         cfg_yaml["provider"]["gcs_address"] = f"127.0.0.1:{port}"
@@ -146,7 +155,7 @@ def autoscale(timeout: float) -> dict:
         from rapo_ray.workers.rollout import RolloutFleet
 
         cfg = _tiny_cfg(
-            f"{tmp}/artifacts",
+            artifacts or f"{tmp}/artifacts",
             "rollout.num_workers=1",
             "rollout.min_workers=1",
             "rollout.max_workers=3",
@@ -214,7 +223,7 @@ def local_cluster(tmp: str, auth: bool = True):
     )
 
 
-def node_loss(timeout: float) -> dict:
+def node_loss(timeout: float, artifacts: str = "") -> dict:
     """Two rollout workers on two nodes (plus a spare node); the node of the first worker that takes work is
     removed right after its groups are dispatched, while they are in flight."""
     with scenario_dir("rapo_nodeloss_") as tmp:
@@ -227,7 +236,7 @@ def node_loss(timeout: float) -> dict:
         from rapo_ray.workers.rollout import RolloutFleet
 
         cfg = _tiny_cfg(
-            f"{tmp}/artifacts",
+            artifacts or f"{tmp}/artifacts",
             "rollout.num_workers=2",
             "rollout.min_workers=1",
             "rollout.max_workers=3",
@@ -273,7 +282,7 @@ def node_loss(timeout: float) -> dict:
         return report
 
 
-def learner_loss(timeout: float) -> dict:
+def learner_loss(timeout: float, artifacts: str = "") -> dict:
     """An 8-step GRPO run whose learners sit on their own node; that node dies after the step-2 checkpoint, a new
     one joins 5 s later, and the run rebuilds from the checkpoint and finishes all steps."""
     with scenario_dir("rapo_learnerloss_") as tmp:
@@ -284,7 +293,7 @@ def learner_loss(timeout: float) -> dict:
         from rapo_ray.model.factory import ensure_bundled_model
 
         cfg = _tiny_cfg(
-            f"{tmp}/artifacts",
+            artifacts or f"{tmp}/artifacts",
             "rollout.num_workers=1",
             "rollout.min_workers=1",
             "rollout.max_workers=2",
@@ -362,9 +371,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("scenario", choices=["autoscale", "node-loss", "learner-loss"])
     ap.add_argument("--timeout", type=float, default=120.0, help="bound on every wait (s)")
+    ap.add_argument(
+        "--artifacts",
+        default="",
+        help="the bundled tiny model (and caches) built once here and kept (default: in the scenario's temp folder)",
+    )
     args = ap.parse_args()
     fn = {"autoscale": autoscale, "node-loss": node_loss, "learner-loss": learner_loss}[args.scenario]
-    report = fn(args.timeout)
+    report = fn(args.timeout, args.artifacts)
     print(json.dumps({"scenario": args.scenario, **report}), flush=True)
     return 0
 

@@ -8,12 +8,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _sim(scenario: str, timeout_s: int = 400) -> dict:
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory) -> str:
+    """One bundled tiny model for the three scenarios (each built its own before: ~4 s of a core apiece)."""
+    return str(tmp_path_factory.mktemp("cluster_sim"))
+
+
+def _sim(scenario: str, artifacts: str, timeout_s: int = 400) -> dict:
+    cmd = [sys.executable, str(REPO / "benchmarks" / "cluster_sim.py"), scenario, "--timeout", "120"]
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "cluster_sim.py"), scenario, "--timeout", "120"],
+        [*cmd, "--artifacts", artifacts],
         capture_output=True,
         text=True,
         timeout=timeout_s,
@@ -24,23 +33,23 @@ def _sim(scenario: str, timeout_s: int = 400) -> dict:
     return json.loads(lines[-1])
 
 
-def test_fleet_autoscaling_adds_and_removes_fake_nodes():
-    r = _sim("autoscale")
+def test_fleet_autoscaling_adds_and_removes_fake_nodes(artifacts):
+    r = _sim("autoscale", artifacts)
     assert r["nodes_at_start"] == 1 and r["nodes_with_1_worker"] == 2  # the first worker needed a node
     assert r["workers_after_scale_up"] == 3 and r["nodes_after_scale_up"] == 4  # backlog 6 groups / 2 per worker
     assert r["groups_done"] == 6
     assert r["workers_after_scale_down"] == 1 and r["nodes_after_scale_down"] == 2  # idle nodes were removed
 
 
-def test_rollout_node_loss_mid_step_loses_no_group():
-    r = _sim("node-loss")
+def test_rollout_node_loss_mid_step_loses_no_group(artifacts):
+    r = _sim("node-loss", artifacts)
     assert r["requeued_groups"] == r["killed_worker_groups"] > 0 and r["replaced_workers"] == 1
     assert r["groups_done"] == r["groups"] and r["rows"] == r["rows_expected"] and r["each_group_once"]
     assert r["workers_after"] == 2
 
 
-def test_learner_node_loss_resumes_from_checkpoint():
-    r = _sim("learner-loss")
+def test_learner_node_loss_resumes_from_checkpoint(artifacts):
+    r = _sim("learner-loss", artifacts)
     assert r["learner_failures"] == 1 and r["steps"] == 8
     assert r["logged_steps"][-1] == 8 and set(range(1, 9)) <= set(r["logged_steps"])
     # the node dies once step 2's checkpoint is complete; a quick step 3 may finish first (its checkpoint too), so

@@ -18,7 +18,7 @@ def test_packed_fleet_steps_kill_and_sync(ray_session, relay_min_workers):
         hosts=2,
         steps=1,
         group_size=2,
-        decode_s=1.0,
+        decode_s=0.5,  # each engine sleeps this per rollout: long enough for the kill to land mid-step
         model_kb=4,
         timeout=60.0,
         profile=5,
