@@ -189,7 +189,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from rapo_ray.model.factory import load_tokenizer
-    from rapo_ray.retrieval.embedder import Embedder, preprocess
+    from rapo_ray.retrieval.embedder import Embedder
+    from rapo_ray.retrieval.key_text import preprocess
     from rapo_ray.training.trainer import rl_task_pool
 
     cfg = load_run(args.run)

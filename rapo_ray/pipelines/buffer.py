@@ -42,7 +42,8 @@ from rapo_ray.envs.suite import build_tools
 from rapo_ray.model.factory import context_length, load_model_and_tokenizer, load_tokenizer, set_torch_threads
 from rapo_ray.pipelines.sft import expert_trajectories
 from rapo_ray.retrieval.backends import BACKEND_KEY, backend_fingerprint, make_encoder, prepare_backend
-from rapo_ray.retrieval.embedder import DIM, EMBEDDER_VERSION
+from rapo_ray.retrieval.embedder import EMBEDDER_VERSION
+from rapo_ray.retrieval.key_text import DIM
 from rapo_ray.retrieval.search_index import search_index_for
 from rapo_ray.retrieval.store import KEY_CHARS, MilvusStepStore
 from rapo_ray.types.trajectory import GENERATED, ON_POLICY, TOOL_RESULT, Task, Trajectory

@@ -8,17 +8,22 @@
 
 A buffer's keys are encoded by one backend and must be searched with the same one: every backend but ``minilm``
 (whose buffers predate this choice) is part of the buffer's fingerprint, so another backend builds its own buffer.
+
+The torch-backed encoders are imported only where one is built: a ``bm25`` retrieval replica imports this module
+and never loads torch (half the replica's start-up CPU and ~200 MB of its memory; docs/RESULTS.md, Performance).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rapo_ray.core.errors import ConfigError
-from rapo_ray.retrieval.embedder import Embedder
 from rapo_ray.retrieval.lexical import HashedTermEncoder
-from rapo_ray.retrieval.onnx_embedder import EXPORT_VERSION, OnnxEmbedder, onnx_minilm
 from rapo_ray.retrieval.replica_index import LexicalReplicaIndex, ReplicaIndex
+
+if TYPE_CHECKING:
+    from rapo_ray.retrieval.embedder import Embedder
 
 BACKENDS = ("minilm", "minilm-onnx-int8", "bm25")
 LEXICAL = ("bm25",)
@@ -37,7 +42,10 @@ def backend_fingerprint(backend: str) -> dict:
     """The buffer-fingerprint entry for ``backend`` (empty for ``minilm``: its buffers' names stay as they were)."""
     if backend == "minilm":
         return {}
-    version = {"minilm-onnx-int8": EXPORT_VERSION, "bm25": BM25_VERSION}[check_backend(backend)]
+    if check_backend(backend) == "minilm-onnx-int8":
+        from rapo_ray.retrieval.onnx_embedder import EXPORT_VERSION as version
+    else:
+        version = BM25_VERSION
     return {BACKEND_KEY: f"{backend}/v{version}"}
 
 
@@ -50,6 +58,8 @@ def check_backend(backend: str) -> str:
 def prepare_backend(backend: str, artifacts_dir: str | Path, pooling: str) -> str:
     """Files ``backend`` needs, built once under ``artifacts_dir`` (the ONNX model); "" when it needs none."""
     if check_backend(backend) == "minilm-onnx-int8":
+        from rapo_ray.retrieval.onnx_embedder import onnx_minilm
+
         return str(onnx_minilm(artifacts_dir, pooling))
     return ""
 
@@ -58,13 +68,17 @@ def make_encoder(
     backend: str, files: str, pooling: str, max_chars: int, device: str = "cpu", cache_size: int = 0
 ) -> Embedder | HashedTermEncoder:
     """The encoder of keys and queries for ``backend`` (``files``: what ``prepare_backend`` returned)."""
-    if check_backend(backend) == "minilm":
+    if is_lexical(check_backend(backend)):
+        return HashedTermEncoder(max_chars=max_chars)
+    if backend == "minilm":
+        from rapo_ray.retrieval.embedder import Embedder
+
         return Embedder(pooling=pooling, max_chars=max_chars, device=device, cache_size=cache_size)
-    if backend == "minilm-onnx-int8":
-        if not files:
-            raise ConfigError("retrieval.embedder=minilm-onnx-int8 needs its model file: call prepare_backend first")
-        return OnnxEmbedder(files, pooling=pooling, max_chars=max_chars, cache_size=cache_size)
-    return HashedTermEncoder(max_chars=max_chars)
+    if not files:
+        raise ConfigError("retrieval.embedder=minilm-onnx-int8 needs its model file: call prepare_backend first")
+    from rapo_ray.retrieval.onnx_embedder import OnnxEmbedder
+
+    return OnnxEmbedder(files, pooling=pooling, max_chars=max_chars, cache_size=cache_size)
 
 
 def replica_index(backend: str, store, encoder) -> ReplicaIndex:

@@ -30,9 +30,9 @@ import torch.nn.functional as F
 
 from rapo_ray.core.devices import parse_device
 from rapo_ray.model.light_imports import hide_unused_packages_from_transformers
+from rapo_ray.retrieval.key_text import preprocess
 from rapo_ray.types.batch import length_sorted_groups
 
-DIM = 384
 # Bumped whenever the vectors for a given text change; stored step buffers record it (retrieval.buffer).
 # 1: positions counted from the padded batch's first column; 2: from each text's first real token.
 EMBEDDER_VERSION = 2
@@ -72,13 +72,6 @@ def last_position_of_layer(layer, hidden: torch.Tensor, attention_mask: torch.Te
     )
     attended = layer.attention.output(ctx.transpose(1, 2).reshape(b, 1, d), last)
     return layer.output(layer.intermediate(attended), attended)[:, 0]
-
-
-def preprocess(text: str, max_chars: int = 1300) -> str:
-    marker = text.find("\nuser\n")
-    if marker >= 0:
-        text = text[marker + len("\nuser\n") :]
-    return text[-max_chars:]
 
 
 class Embedder:

@@ -26,7 +26,7 @@ from typing import Sequence
 import numpy as np
 from scipy import sparse
 
-from rapo_ray.retrieval.embedder import DIM, preprocess
+from rapo_ray.retrieval.key_text import DIM, preprocess
 
 TERM = re.compile(r"[^\W_]+")  # runs of letters and digits (any script); "_" and punctuation split
 

@@ -15,7 +15,6 @@ import numpy as np
 from ray import serve
 
 from rapo_ray.agent.retriever import RetrievedStep, StoredStep
-from rapo_ray.core.devices import pick_device
 from rapo_ray.retrieval.backends import is_lexical, make_encoder, replica_index
 from rapo_ray.retrieval.store import MilvusStepStore, step_rows
 
@@ -50,10 +49,6 @@ class StepRetrieverService:
         embedder: str = "minilm",
         embedder_files: str = "",
     ):
-        import torch
-
-        torch.set_num_threads(1)
-
         if search_on not in ("replica", "milvus"):
             raise ValueError(f"retrieval.search_on={search_on!r}; valid: replica, milvus")
         self.lexical = is_lexical(embedder)
@@ -61,13 +56,16 @@ class StepRetrieverService:
             raise ValueError(
                 f"retrieval.embedder={embedder} ranks in the replica's memory: set retrieval.search_on=replica"
             )
+        device = "cpu"
+        if not self.lexical:  # a network: torch, on one thread (a BM25 replica never imports torch)
+            import torch
+
+            from rapo_ray.core.devices import pick_device
+
+            torch.set_num_threads(1)
+            device = pick_device(num_gpus, "retrieval.num_gpus")
         self.embedder = make_encoder(
-            embedder,
-            embedder_files,
-            pooling,
-            max_chars,
-            device=pick_device(num_gpus, "retrieval.num_gpus"),
-            cache_size=embed_cache_size,
+            embedder, embedder_files, pooling, max_chars, device=device, cache_size=embed_cache_size
         )
         self.store = MilvusStepStore(uri, collection, self.embedder.dim, token=token, create=True)
         # Searches go to an in-memory copy (exact, milliseconds) or to Milvus's HNSW index. The copy also hands

@@ -403,7 +403,8 @@ def test_a_buffer_for_another_backend_takes_its_siblings_steps_instead_of_sampli
         with_buffer_collection,
     )
     from rapo_ray.retrieval.backends import make_encoder
-    from rapo_ray.retrieval.embedder import DIM, Embedder
+    from rapo_ray.retrieval.embedder import Embedder
+    from rapo_ray.retrieval.key_text import DIM
 
     def setup(embedder):
         cfg = replace(tiny_cfg, run=replace(tiny_cfg.run, artifacts_dir=str(tmp_path)))

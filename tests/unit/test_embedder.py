@@ -8,7 +8,8 @@ import torch
 
 
 def test_embedder_pooling_and_truncation():
-    from rapo_ray.retrieval.embedder import Embedder, preprocess
+    from rapo_ray.retrieval.embedder import Embedder
+    from rapo_ray.retrieval.key_text import preprocess
 
     emb = Embedder(pooling="last")
     v = emb.embed(["The mentor of Kaloka is Zoneka.", "mentor of Kaloka", "print(3 + 4)"])

@@ -12,7 +12,8 @@ import pytest
 from rapo_ray.config import load_config
 from rapo_ray.core.errors import ConfigError
 from rapo_ray.retrieval.backends import BACKENDS, backend_fingerprint, is_lexical, make_encoder, prepare_backend
-from rapo_ray.retrieval.embedder import DIM, Embedder, preprocess
+from rapo_ray.retrieval.embedder import Embedder
+from rapo_ray.retrieval.key_text import DIM, preprocess
 from rapo_ray.retrieval.lexical import Bm25Index, HashedTermEncoder, terms
 from rapo_ray.retrieval.replica_index import LexicalReplicaIndex
 from rapo_ray.retrieval.service import replica_actor_options
@@ -208,3 +209,24 @@ def test_a_lexical_replica_runs_its_searches_on_its_own_event_loop_and_an_embedd
     for embedder in ("minilm", "minilm-onnx-int8"):
         options = replica_actor_options(load_config(overrides=[f"retrieval.embedder={embedder}"]).retrieval)
         assert options == {"num_cpus": 0, "num_gpus": 0.0}, embedder
+
+
+def test_a_bm25_replica_ranks_without_importing_torch():
+    """What a ``bm25`` retrieval replica runs (the service module, its encoder, its BM25 copy of the collection)
+    imports no torch nor transformers: about half the replica's start-up CPU and ~200 MB of its memory."""
+    import subprocess
+
+    probe = (
+        "import sys, numpy as np; import rapo_ray.retrieval.service; "
+        "from rapo_ray.retrieval.backends import make_encoder; "
+        "from rapo_ray.retrieval.replica_index import LexicalReplicaIndex; "
+        "enc = make_encoder('bm25', '', 'last', 1300); "
+        "index = LexicalReplicaIndex(enc.dim, key_text=enc.embedded_text); "
+        "index.add(['s0'], enc.embed(['Ava has 12 coins']), [('<python>print(12)</python>', '[]', 1.0, 'q0')], "
+        "['Ava has 12 coins']); "
+        "(hit,), = index.search_texts(['coins of Ava'], top_k=1); "
+        "print(hit.value, sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "<python>print(12)</python> []"
