@@ -40,6 +40,7 @@ from rapo_ray.engines import make_engine
 from rapo_ray.envs.loaders import gsm8k_solutions, gsm8k_trajectory_parts
 from rapo_ray.envs.suite import build_tools
 from rapo_ray.model.factory import context_length, load_model_and_tokenizer, load_tokenizer, set_torch_threads
+from rapo_ray.pipelines.embed_step import EmbedStep
 from rapo_ray.pipelines.sft import expert_trajectories
 from rapo_ray.retrieval.backends import BACKEND_KEY, backend_fingerprint, make_encoder, prepare_backend
 from rapo_ray.retrieval.embedder import EMBEDDER_VERSION
@@ -207,18 +208,6 @@ class SolutionSampler(StepSampler):
 
 
 SAMPLERS = {"scripted-expert": ExpertSampler, "policy": PolicySampler, "solutions": SolutionSampler}
-
-
-class EmbedStep:
-    """Ray Data callable (actor pool): adds the key's vector (``retrieval.embedder``'s encoder)."""
-
-    def __init__(self, backend: str, files: str, pooling: str, max_chars: int):
-        set_torch_threads(1)
-        self.embedder = make_encoder(backend, files, pooling, max_chars)
-
-    def __call__(self, batch: dict) -> dict:
-        batch["vector"] = self.embedder.embed(list(batch["key"]))
-        return batch
 
 
 def _rows_to_steps(batch: dict) -> tuple[list[StoredStep], np.ndarray]:

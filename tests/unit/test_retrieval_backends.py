@@ -189,7 +189,7 @@ def test_each_backend_other_than_minilm_gets_its_own_buffer(tmp_path):
 def test_the_buffer_builders_embed_step_keys_rows_with_each_backend(tmp_path):
     """The buffer's Ray Data stage (``EmbedStep``), built as ``build_buffer`` builds it, writes each backend's key
     vectors: what the replica of that backend reads back."""
-    from rapo_ray.pipelines.buffer import EmbedStep
+    from rapo_ray.pipelines.embed_step import EmbedStep
 
     keys = np.array(HISTORIES[:3], dtype=object)
     for backend in BACKENDS:
