@@ -769,8 +769,8 @@ class TrainerConfig:
     )
     max_failures: int = option(
         3,
-        "Times a run rebuilds its learners and fleet from the last checkpoint after losing a learner (node loss) "
-        "before giving up.",
+        "Times a run starts new learners (and, where it must, a new fleet) from the last checkpoint after losing a "
+        "learner (node loss) before giving up.",
     )
     sft_hybrid_fraction: float = option(0.3, "Share of warm-start demos that contain a loss-masked <retrieve> block.")
     sft_retrieval_scope: str = option(

@@ -61,7 +61,13 @@ class RetrievalFailed(RuntimeError):
 
 
 class LearnerLost(RuntimeError):
-    """A learner actor died (its node went away): the step cannot finish; rebuild from the last checkpoint."""
+    """A learner actor died (its node went away): the step cannot finish; rebuild from the last checkpoint.
+    ``in_weight_push``: it died while the rollout workers were in a weight-sync exchange with it (forming the group,
+    or receiving), so they may be blocked on it until ``sync.timeout_s``: the fleet is then rebuilt too."""
+
+    def __init__(self, message: str, in_weight_push: bool = False):
+        super().__init__(message)
+        self.in_weight_push = in_weight_push
 
 
 # What a call to a dead (killed, crashed, node lost) Ray actor raises. An actor that Ray's memory monitor killed

@@ -481,7 +481,8 @@ def held_out_before(cfg: Config, parts: RunParts, resume: Path | None, log=print
 
 def train_steps(cfg: Config, parts: RunParts, log=print) -> None:
     """4. RL steps to trainer.total_steps, with the held-out curve and checkpoints on their schedules; a lost
-    learner (node loss) rebuilds the learners and fleet from the last checkpoint (``rebuild_after_loss``)."""
+    learner (node loss) rebuilds the learners, and the fleet where it must, from the last checkpoint
+    (``rebuild_after_loss``)."""
     progress = Progress(cfg.run.progress, cfg.trainer.total_steps, parts.trainer.step_idx, cfg.algo.name, log)
     while parts.trainer.step_idx < cfg.trainer.total_steps:
         trainer = parts.trainer
@@ -503,29 +504,34 @@ def train_steps(cfg: Config, parts: RunParts, log=print) -> None:
 
 
 def rebuild_after_loss(cfg: Config, parts: RunParts, exc: LearnerLost, log=print) -> None:
-    """A new trainer (learners and fleet) in place of one that lost a learner, at the last checkpoint or the
-    starting policy; past trainer.max_failures, the run stops and names the checkpoint to resume from."""
+    """New learners in place of a group that lost one, at the last checkpoint or the starting policy; past
+    trainer.max_failures, the run stops and names the checkpoint to resume from. The fleet stays where it can
+    (``Trainer.can_keep_fleet``, with a checkpoint to restore the trainer's state from): only the learner ranks start
+    again. Otherwise the whole trainer (learners and fleet) is built anew."""
     run_dir = parts.run_dir
     parts.failures += 1
     latest = run_dir.latest_checkpoint(log)
     log(f"step {parts.trainer.step_idx + 1} stopped: {exc}; failure {parts.failures}/{cfg.trainer.max_failures}")
-    parts.trainer.shutdown(graceful=False)
-    parts.trainer = None
+    keep_fleet = latest is not None and parts.failures <= cfg.trainer.max_failures and parts.trainer.can_keep_fleet(exc)
+    if keep_fleet:
+        parts.trainer.replace_learners()  # waits for resources to return
+    else:
+        parts.trainer.shutdown(graceful=False)
+        parts.trainer = None
     if parts.failures > cfg.trainer.max_failures:
         raise RuntimeError(
             f"{exc}; gave up after {cfg.trainer.max_failures} rebuilds (trainer.max_failures). The last "
             f"checkpoint is {latest}; continue with checkpoint.resume={run_dir.path}"
         ) from None
-    # waits for resources to return
-    parts.trainer = Trainer(cfg, parts.model_dir, run_dir.checkpoints, parts.retrieval.app, parts.tasks)
+    if not keep_fleet:  # waits for resources to return
+        parts.trainer = Trainer(cfg, parts.model_dir, run_dir.checkpoints, parts.retrieval.app, parts.tasks)
     if latest is not None:
         parts.trainer.load(latest)
     else:
         parts.trainer.sync_weights()
     parts.metrics.rewind(parts.trainer.step_idx)
-    log(
-        f"rebuilt the learners and fleet; resumed at step {parts.trainer.step_idx} from {latest or 'the starting policy'}"
-    )
+    rebuilt = "the learners (the fleet kept)" if keep_fleet else "the learners and fleet"
+    log(f"rebuilt {rebuilt}; resumed at step {parts.trainer.step_idx} from {latest or 'the starting policy'}")
 
 
 def finish_run(cfg: Config, parts: RunParts, before: dict, before_problems: dict, log=print) -> dict:

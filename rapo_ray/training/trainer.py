@@ -33,7 +33,7 @@ from rapo_ray.agent.retriever import steps_of
 from rapo_ray.algos.old_pass import old_pass_reason
 from rapo_ray.algos.registry import algorithm_of
 from rapo_ray.config import Config
-from rapo_ray.core.errors import WORKER_DIED, ConfigError
+from rapo_ray.core.errors import WORKER_DIED, ConfigError, LearnerLost
 from rapo_ray.core.metrics import RunMetrics, StageTimer, mean_or_zero
 from rapo_ray.envs.loaders import source_name
 from rapo_ray.envs.suite import family_of, task_difficulty, task_splits
@@ -431,13 +431,30 @@ class Trainer:
         self.sync_weights()
         self.fleet.scale(state["workers"])
 
+    def can_keep_fleet(self, lost: LearnerLost) -> bool:
+        """Whether the rollout fleet can outlive the learner group that raised ``lost``: it can when it is idle and
+        none of its workers depends on the group. Not when the learner died in a weight-sync exchange (the workers may
+        be blocked on it), in colocated mode (the workers sit in the learners' placement group), or with
+        ``algo.max_staleness >= 1`` (the fleet's rollouts ahead of the update are bound to the lost update)."""
+        return not lost.in_weight_push and self.cfg.resources.colocate is not True and self.cfg.algo.max_staleness == 0
+
+    def replace_learners(self) -> None:
+        """New learner ranks in place of a group that lost one; the fleet, its workers and their retrieval clients
+        stay (``can_keep_fleet``). The new ranks start from the model folder and form a new weight-sync group at the
+        next push; the caller then restores a checkpoint with ``load``, which resets this trainer's state too."""
+        lost, self.learners = self.learners, None  # (a replacement that fails to start leaves none to stop)
+        lost.shutdown(graceful=False)
+        self.sync.reset()
+        self.learners = LearnerGroup(self.cfg, self.model_dir)
+
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the fleet, the weight sync and the learners. ``graceful=False`` after a learner died."""
         if self._learner_thread is not None:
             self._learner_thread.shutdown(wait=True)
         self.fleet.shutdown()
         self.sync.close()
-        self.learners.shutdown(graceful)
+        if self.learners is not None:
+            self.learners.shutdown(graceful)
 
 
 def push_weights(sync: WeightSync | ColocatedSync, fleet: RolloutFleet, learners: list, version: int) -> int:

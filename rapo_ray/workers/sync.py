@@ -332,7 +332,7 @@ def gather_push(refs: list, what: str, timeout_s: float, n_learners: int = 1) ->
             errors.append((i, exc))
     for i, exc in errors:
         if i < n_learners and isinstance(exc, WORKER_DIED):
-            raise LearnerLost(f"a learner died during the weight push ({what}): {exc}") from exc
+            raise LearnerLost(f"a learner died during the weight push ({what}): {exc}", in_weight_push=True) from exc
     for _, exc in errors:
         if isinstance(exc, WORKER_DIED):
             raise exc

@@ -56,3 +56,4 @@ def test_learner_node_loss_resumes_from_checkpoint(artifacts):
     # the run resumes from step 2 or a later complete checkpoint, never from before the one it had
     resumed = [int(m.group(1)) for l in r["log"] if (m := re.search(r"resumed at step (\d+) from .*step-", l))]
     assert len(resumed) == 1 and 2 <= resumed[0] < 8, r["log"]
+    assert any(l.startswith("rebuilt the learners (the fleet kept)") for l in r["log"]), r["log"]  # only they restart

@@ -54,3 +54,97 @@ def test_a_submitted_jobs_own_env_vars_win_over_the_drivers(monkeypatch):
     job = {"runtime_env": {"working_dir": "gcs://pkg.zip", "env_vars": {"OMP_NUM_THREADS": "1", "X": "y"}}}
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(job))
     assert submitted_job_env_vars() == {"OMP_NUM_THREADS": "1", "X": "y"}
+
+
+class _FakeTrainer:
+    """What ``rebuild_after_loss`` calls on a trainer, recorded."""
+
+    def __init__(self, cfg, keeps_fleet: bool):
+        self.cfg, self.keeps_fleet, self.calls, self.step_idx = cfg, keeps_fleet, [], 3
+
+    def can_keep_fleet(self, lost):
+        return self.keeps_fleet
+
+    def replace_learners(self):
+        self.calls.append("replace_learners")
+
+    def shutdown(self, graceful=True):
+        self.calls.append(f"shutdown(graceful={graceful})")
+
+    def load(self, path):
+        self.calls.append(f"load({path.name})")
+        self.step_idx = int(path.name.split("-")[1])
+
+    def sync_weights(self):
+        self.calls.append("sync_weights")
+        self.step_idx = 0
+
+
+class _FakeMetrics:
+    def __init__(self):
+        self.rewound_to = None
+
+    def rewind(self, step):
+        self.rewound_to = step
+
+
+def test_a_lost_learner_is_replaced_with_the_fleet_kept_only_where_it_can_be(tmp_path, monkeypatch):
+    """The fleet outlives a lost learner group when the trainer says it can and a checkpoint restores the trainer's
+    state; otherwise (no checkpoint, or a loss in the weight push, colocated mode, rollouts ahead) the whole trainer
+    is built anew, and past trainer.max_failures the run stops naming its checkpoint."""
+    from rapo_ray.core.errors import LearnerLost
+    from rapo_ray.launch import launcher
+    from rapo_ray.training.trainer import Trainer
+    from tests.helpers import write_checkpoint
+
+    cfg = load_config(overrides=["trainer.max_failures=2"])
+    # the trainer's own rule, on its config and the loss
+    for overrides, lost, keeps in [
+        ([], LearnerLost("a learner died"), True),
+        ([], LearnerLost("a learner died during the weight push (sending)", in_weight_push=True), False),
+        (["resources.colocate=true"], LearnerLost("a learner died"), False),
+        (["algo.max_staleness=1"], LearnerLost("a learner died"), False),
+    ]:
+        assert Trainer.can_keep_fleet(_FakeTrainer(load_config(overrides=overrides), None), lost) is keeps, overrides
+
+    built = []
+
+    def new_trainer(*args):
+        built.append(_FakeTrainer(cfg, True))
+        return built[-1]
+
+    monkeypatch.setattr(launcher, "Trainer", new_trainer)
+
+    def parts_with(trainer, checkpoint_steps):
+        run_dir = launcher.RunDir(tmp_path / f"run-{len(list(tmp_path.iterdir()))}")
+        for step in checkpoint_steps:
+            write_checkpoint(run_dir.checkpoints, step)
+        parts = launcher.RunParts(run_dir, launcher.StageTimer(), metrics=_FakeMetrics(), trainer=trainer)
+        parts.retrieval = type("Retrieval", (), {"app": "retrieval"})()
+        return parts
+
+    said = []
+    kept = _FakeTrainer(cfg, True)
+    parts = parts_with(kept, [1, 2])
+    launcher.rebuild_after_loss(cfg, parts, LearnerLost("a learner died"), said.append)
+    assert parts.trainer is kept and kept.calls == ["replace_learners", "load(step-000002)"] and not built
+    assert parts.metrics.rewound_to == 2 and parts.failures == 1
+    assert (
+        said[-1]
+        == f"rebuilt the learners (the fleet kept); resumed at step 2 from {parts.run_dir.checkpoints}/step-000002"
+    )
+
+    for trainer, steps in [(_FakeTrainer(cfg, False), [1]), (_FakeTrainer(cfg, True), [])]:
+        parts = parts_with(trainer, steps)
+        launcher.rebuild_after_loss(cfg, parts, LearnerLost("a learner died"), said.append)
+        assert trainer.calls == ["shutdown(graceful=False)"] and parts.trainer is built[-1]
+        assert built[-1].calls == (["load(step-000001)"] if steps else ["sync_weights"])
+        assert said[-1].startswith("rebuilt the learners and fleet; resumed at step ")
+
+    # the third loss is past trainer.max_failures=2: the trainer is stopped (its fleet too) and none is built
+    trainer = _FakeTrainer(cfg, True)
+    parts = parts_with(trainer, [1])
+    parts.failures, n_built = 2, len(built)
+    with pytest.raises(RuntimeError, match=r"gave up after 2 rebuilds .*continue with checkpoint.resume="):
+        launcher.rebuild_after_loss(cfg, parts, LearnerLost("a learner died"), said.append)
+    assert trainer.calls == ["shutdown(graceful=False)"] and parts.trainer is None and len(built) == n_built
