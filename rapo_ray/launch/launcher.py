@@ -512,18 +512,19 @@ def rebuild_after_loss(cfg: Config, parts: RunParts, exc: LearnerLost, log=print
     parts.failures += 1
     latest = run_dir.latest_checkpoint(log)
     log(f"step {parts.trainer.step_idx + 1} stopped: {exc}; failure {parts.failures}/{cfg.trainer.max_failures}")
-    keep_fleet = latest is not None and parts.failures <= cfg.trainer.max_failures and parts.trainer.can_keep_fleet(exc)
-    if keep_fleet:
-        parts.trainer.replace_learners()  # waits for resources to return
-    else:
+    if parts.failures > cfg.trainer.max_failures:
         parts.trainer.shutdown(graceful=False)
         parts.trainer = None
-    if parts.failures > cfg.trainer.max_failures:
         raise RuntimeError(
             f"{exc}; gave up after {cfg.trainer.max_failures} rebuilds (trainer.max_failures). The last "
             f"checkpoint is {latest}; continue with checkpoint.resume={run_dir.path}"
         ) from None
-    if not keep_fleet:  # waits for resources to return
+    keep_fleet = latest is not None and parts.trainer.can_keep_fleet(exc)
+    if keep_fleet:  # both wait for resources to return
+        parts.trainer.replace_learners()
+    else:
+        parts.trainer.shutdown(graceful=False)
+        parts.trainer = None  # (a new one that fails to start leaves none to stop)
         parts.trainer = Trainer(cfg, parts.model_dir, run_dir.checkpoints, parts.retrieval.app, parts.tasks)
     if latest is not None:
         parts.trainer.load(latest)
