@@ -1,73 +1,57 @@
-"""The vLLM engine against transformers (skipped where vLLM does not import)."""
+"""The vLLM engine against transformers (skipped where vLLM is not installed).
+
+Every check runs in one child process (tests/vllm_checks.py) with the environment a job gives its workers
+(launcher.QUIET_ENV): importing vLLM and starting its first engine is most of what these tests cost, and a child of
+its own per check paid it again. Each test below reads its check's result; the console test reads the child's."""
 
 from __future__ import annotations
 
-import torch
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
-from rapo_ray.engines import SamplingParams
-from rapo_ray.model.factory import load_model
-from tests.engine_checks import check_engine_against_hf, check_load_weights, check_stops, check_submit
+import pytest
 
+from rapo_ray.launch.launcher import QUIET_ENV
 
-def test_vllm_engine_matches_hf(tiny_model_dir, tiny_tokenizer, prompts):
-    from rapo_ray.engines.vllm_engine import VLLMEngine
-
-    engine = VLLMEngine(tiny_model_dir, max_model_len=512, kv_cache_gb=0.25)
-    try:
-        model = load_model(tiny_model_dir)
-        check_engine_against_hf(engine, model, prompts, exact_entropy=False)
-        check_stops(engine, prompts, tiny_tokenizer)
-        check_submit(engine, prompts)
-        assert engine.in_process  # the received tensors go straight to the model runner
-        check_load_weights(engine, model, prompts)
-        # the same weights again through a safetensors file in /dev/shm (an engine core in another process)
-        greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
-        direct = engine.generate(prompts, greedy)
-        engine.in_process = False
-        engine.load_weights({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}, version=8)
-        via_file = engine.generate(prompts, greedy)
-        assert engine.version == 8 and [r.token_ids for r in via_file] == [r.token_ids for r in direct]
-        assert all(
-            torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-6)
-            for a, b in zip(direct, via_file)
-        )
-        assert not list(engine._shm.iterdir())
-    finally:
-        engine.close()
+REPO = Path(__file__).resolve().parents[2]
 
 
-def test_a_job_engine_start_keeps_vllm_and_torch_notices_off_the_console(tiny_model_dir):
-    """With the environment a job gives its workers (launcher.QUIET_ENV), building an engine on a CPU prints neither
+@pytest.fixture(scope="module")
+def vllm_checks(tiny_model_dir, prompts, tmp_path_factory):
+    """The child's finished process and its results (check name -> "ok" or the traceback)."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (the cpu or gpu extra installs it)")
+    work = tmp_path_factory.mktemp("vllm_checks")
+    (work / "prompts.json").write_text(json.dumps(prompts))
+    results = work / "results.json"
+    cmd = [sys.executable, "-m", "tests.vllm_checks", str(tiny_model_dir), str(work / "prompts.json"), str(results)]
+    done = subprocess.run(cmd, cwd=REPO, env=os.environ | QUIET_ENV, capture_output=True, text=True, timeout=600)
+    return done, json.loads(results.read_text()) if results.is_file() else {}
+
+
+def _check_passed(vllm_checks, name: str) -> None:
+    done, results = vllm_checks
+    assert name in results, f"the check process ended (rc {done.returncode}) before '{name}':\n{done.stderr[-3000:]}"
+    assert results[name] == "ok", results[name]
+
+
+def test_vllm_engine_matches_hf(vllm_checks):
+    """Greedy tokens, log-probs and entropies; stops; submit; weights loaded in process and through /dev/shm."""
+    _check_passed(vllm_checks, "matches_hf")
+
+
+def test_seeded_sampling_survives_more_waiting_prompt_tokens_than_one_engine_step_takes(vllm_checks):
+    """40 prompts of 200 tokens at once (past vLLM-CPU's 4,096-token step), each with its own seed's tokens."""
+    _check_passed(vllm_checks, "seeded_sampling")
+
+
+def test_a_job_engine_start_keeps_vllm_and_torch_notices_off_the_console(vllm_checks):
+    """With the environment a job gives its workers (launcher.QUIET_ENV), building engines on a CPU prints neither
     vLLM's import-time Triton notice (before vLLM configures its logging) nor torch's C++ NUMA-binding warning."""
-    import os
-    import subprocess
-    import sys
-
-    from rapo_ray.launch.launcher import QUIET_ENV
-
-    code = (
-        "from rapo_ray.engines.vllm_engine import VLLMEngine\n"
-        f"VLLMEngine({str(tiny_model_dir)!r}, max_model_len=256, kv_cache_gb=0.25).close()\n"
-        "print('engine closed')\n"
-    )
-    env = os.environ | QUIET_ENV
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "engine closed" in done.stdout, done.stderr[-2000:]
+    done, _ = vllm_checks
+    assert done.returncode == 0 and "checks done" in done.stdout, done.stderr[-2000:]
     assert "Triton is installed" not in done.stderr and "NUMA binding" not in done.stderr, done.stderr[-2000:]
-
-
-def test_seeded_sampling_survives_more_waiting_prompt_tokens_than_one_engine_step_takes(tiny_model_dir):
-    """40 prompts of 200 tokens wait at once (8,000 tokens, past vLLM-CPU's 4,096-token step): with chunked prefill
-    vLLM 0.32 rewound a cut prompt's seeded generator, which a CPU generator refuses, and the engine died. Each
-    request also gets its own seed's tokens: the same as when it runs alone."""
-    from rapo_ray.engines.vllm_engine import VLLMEngine
-
-    engine = VLLMEngine(tiny_model_dir, max_model_len=512, kv_cache_gb=0.25)
-    try:
-        prompts = [[(i * 7 + j) % 300 + 5 for j in range(200)] for i in range(40)]
-        params = [SamplingParams(temperature=1.0, max_new_tokens=6, seed=i) for i in range(40)]
-        results = [f.result() for f in [engine.submit(p, sp) for p, sp in zip(prompts, params)]]
-        assert [len(r.token_ids) for r in results] == [6] * 40
-        assert engine.generate([prompts[7]], params[7])[0].token_ids == results[7].token_ids
-    finally:
-        engine.close()
