@@ -59,8 +59,9 @@ def peak_rss_mb() -> float:
     return float("nan")
 
 
-def worker(engine_name: str, path: str, batches: list[int], new_tokens: int, repeats: int) -> dict:
-    """Runs in a subprocess: start the engine, time generation, time a weight update."""
+def worker(engine_name: str, path: str, batches: list[int], new_tokens: int, repeats: int, slots: int = 0) -> dict:
+    """Runs in a subprocess: start the engine, time generation, time a weight update. ``slots``: the torch engine's
+    ``max_batch_size`` (0: the largest batch)."""
     import torch
 
     torch.set_num_threads(1)
@@ -76,7 +77,7 @@ def worker(engine_name: str, path: str, batches: list[int], new_tokens: int, rep
     elif engine_name == "torch":
         from rapo_ray.engines.torch_engine import TorchEngine
 
-        engine = TorchEngine(load_model(path), tok, max_batch_size=max(batches))
+        engine = TorchEngine(load_model(path), tok, max_batch_size=slots or max(batches))
     else:
         engine = load_model(path)
     startup = time.perf_counter() - t0
@@ -108,6 +109,8 @@ def worker(engine_name: str, path: str, batches: list[int], new_tokens: int, rep
         engine.load_weights(sd, 1)
         out["weight_update_s"] = time.perf_counter() - t
     out["peak_rss_mb"] = peak_rss_mb()
+    if engine_name == "torch" and engine.decoder is not None:
+        out["kv_cache_mb"] = engine.decoder.cache_bytes() / 2**20  # after the largest batch
     return out
 
 
@@ -140,6 +143,12 @@ def main() -> int:
     ap.add_argument("--batches", default="16,64")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--torch-slots",
+        type=int,
+        default=0,
+        help="the torch engine's max_batch_size (0: the largest batch; a rollout worker's engine has 64)",
+    )
     ap.add_argument("--artifacts", default=str(REPO / "artifacts" / "bench"))
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "engine.json"))
     ap.add_argument("--reuse", default="", help="engines whose raw result from an earlier run (beside --out) is reused")
@@ -148,7 +157,7 @@ def main() -> int:
     batches = [int(x) for x in args.batches.split(",")]
     reuse = {x for x in args.reuse.split(",") if x}
     if args.worker:
-        res = worker(args.worker[0], args.worker[1], batches, args.new_tokens, args.repeats)
+        res = worker(args.worker[0], args.worker[1], batches, args.new_tokens, args.repeats, args.torch_slots)
         print("RESULT " + json.dumps(res))
         return 0
 
@@ -185,6 +194,8 @@ def main() -> int:
                 str(args.new_tokens),
                 "--repeats",
                 str(args.repeats),
+                "--torch-slots",
+                str(args.torch_slots),
             ]
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]

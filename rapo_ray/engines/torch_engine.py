@@ -45,13 +45,15 @@ log = logging.getLogger("rapo_ray.engines.torch_engine")
 class SlotDecoder:
     """Lean forward pass of a Qwen2/Llama-shaped HF model on a per-request KV cache.
 
-    Cache layout per layer: ``k, v`` of shape [slots, kv_heads, capacity, head_dim]; capacity grows by
-    doubling (up to ``max_position_embeddings``) when a request needs more positions. Memory is therefore
-    slots x the longest live sequence: for long contexts on big models, lower ``max_batch_size`` (vLLM's
-    paged cache is the engine for those).
+    Cache layout per layer: ``k, v`` of shape [slots, kv_heads, capacity, head_dim]. Both grow by doubling when a
+    step needs more: slots up to ``max_slots`` as requests are admitted, capacity up to ``max_position_embeddings``
+    as one runs longer. Memory is therefore the most requests live at once x the longest live sequence (a cache
+    sized for ``max_slots`` from the start held 4x the memory of a rollout of 12 requests in 64 slots, and took 4x
+    the time to grow): for long contexts on big models, lower ``max_batch_size`` (vLLM's paged cache is the engine
+    for those).
     """
 
-    def __init__(self, model, max_slots: int, initial_capacity: int = 256):
+    def __init__(self, model, max_slots: int, initial_capacity: int = 256, initial_slots: int = 8):
         self.model = model
         cfg = model.config
         self.layers = list(model.model.layers)
@@ -64,22 +66,22 @@ class SlotDecoder:
         self.max_slots = max_slots
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
-        self.capacity = 0
-        self.released_capacity = 0  # the capacity before ``release`` (rebuilt at that size)
+        self.slots = self.capacity = 0
+        self.released = (0, 0)  # the (slots, capacity) before ``release``: rebuilt at that size
         self.generation = 0  # counts the cache's (re)allocations: a CUDA graph holds the addresses of one of them
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
-        self.ensure_capacity(min(initial_capacity, self.max_positions))
+        self.ensure(min(initial_slots, max_slots), min(initial_capacity, self.max_positions))
 
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
     def release(self) -> int:
-        """Drop the cache (no live request may hold a slot); returns the bytes it held. The next
-        ``ensure_capacity`` rebuilds it at its old capacity."""
+        """Drop the cache (no live request may hold a slot); returns the bytes it held. The next ``ensure``
+        rebuilds it at its old size."""
         freed = self.cache_bytes()
-        self.released_capacity = max(self.released_capacity, self.capacity)
-        self.k, self.v, self.capacity = [], [], 0
+        self.released = (max(self.released[0], self.slots), max(self.released[1], self.capacity))
+        self.k, self.v, self.slots, self.capacity = [], [], 0, 0
         self.generation += 1
         return freed
 
@@ -104,27 +106,33 @@ class SlotDecoder:
         return None
 
     @torch.inference_mode()  # the cache is made of inference tensors; every write to it runs in this mode
-    def ensure_capacity(self, positions: int) -> None:
+    def ensure(self, slots: int, positions: int) -> None:
+        """Room for slots ``0..slots-1`` at positions ``0..positions-1``; what was cached stays in place."""
         if positions > self.max_positions:
             raise ValueError(f"{positions} positions exceed the model's max_position_embeddings={self.max_positions}")
-        if positions <= self.capacity:
+        if slots > self.max_slots:
+            raise ValueError(f"{slots} slots exceed the cache's max_slots={self.max_slots}")
+        if slots <= self.slots and positions <= self.capacity:
             return
-        # after a release, straight back to the size it had (no doubling steps, each a copy)
-        new = min(self.max_positions, max(positions, 2 * self.capacity, 64, self.released_capacity))
-        self.released_capacity = 0
-        shape = (self.max_slots, self.n_kv, new, self.head_dim)
+        # a dimension that grows doubles (few copies); after a release, both come straight back to their old size
+        grown_slots = max(slots, 2 * self.slots) if slots > self.slots else self.slots
+        grown_capacity = max(positions, 2 * self.capacity, 64) if positions > self.capacity else self.capacity
+        new_slots = min(self.max_slots, max(grown_slots, self.released[0]))
+        new = min(self.max_positions, max(grown_capacity, self.released[1]))
+        self.released = (0, 0)
+        shape = (new_slots, self.n_kv, new, self.head_dim)
         for i in range(len(self.layers)):
             k = torch.zeros(shape, dtype=self.dtype, device=self.device)
             v = torch.zeros(shape, dtype=self.dtype, device=self.device)
             if self.capacity:
-                k[:, :, : self.capacity] = self.k[i]
-                v[:, :, : self.capacity] = self.v[i]
+                k[: self.slots, :, : self.capacity] = self.k[i]
+                v[: self.slots, :, : self.capacity] = self.v[i]
             if i < len(self.k):
                 self.k[i], self.v[i] = k, v
             else:
                 self.k.append(k)
                 self.v.append(v)
-        self.capacity = new
+        self.slots, self.capacity = new_slots, new
         self.generation += 1
 
     @torch.inference_mode()
@@ -188,7 +196,7 @@ class SlotDecoder:
         if source[:u] != list(range(u)):
             raise ValueError("prefill: every distinct prompt must appear before its duplicates")
         distinct = prompts[:u]
-        self.ensure_capacity(max(len(p) for p in distinct) + 1)
+        self.ensure(first_slot + m, max(len(p) for p in distinct) + 1)
         shared = 0
         if u > 1:
             shortest = min(len(p) for p in distinct)
@@ -245,7 +253,7 @@ class SlotDecoder:
         """One token for each of slots ``0..n-1`` at ``positions``; next-token logits [n, V]."""
         n = len(tokens)
         span = max(positions) + 1
-        self.ensure_capacity(span)
+        self.ensure(n, span)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         rows = torch.arange(n, device=self.device)
@@ -305,8 +313,8 @@ class StaticDecoder:
     def __call__(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         d = self.decoder
         n = len(tokens)
-        d.ensure_capacity(max(positions) + 1)
         b = batch_bucket(n, d.max_slots)
+        d.ensure(b, max(positions) + 1)  # padding rows write to free slots below b
         ids = torch.zeros((b, 1), dtype=torch.long, device="cpu")
         pos = torch.zeros(b, dtype=torch.long, device="cpu")
         ids[:n, 0] = torch.tensor(tokens, dtype=torch.long)
@@ -396,11 +404,13 @@ class TorchEngine(InferenceEngine):
         prefill_token_budget: int = 16384,
         kv_initial_capacity: int = 256,
         decode: str = "auto",
+        kv_initial_slots: int = 8,
     ):
         """``device``: where the model runs (None: where it already is). Every tensor a step creates, and the
         sampling generators, live there too. ``decode``: the decode step's form (``rollout.torch_decode``):
         dynamic (shapes follow the live requests), static (``StaticDecoder``: padded, fixed shapes), graphs
-        (static, replayed as CUDA graphs; CUDA only), auto (graphs on CUDA, else dynamic)."""
+        (static, replayed as CUDA graphs; CUDA only), auto (graphs on CUDA, else dynamic). ``kv_initial_slots`` x
+        ``kv_initial_capacity``: the KV cache's first size, which grows with the live requests (``SlotDecoder``)."""
         super().__init__()
         self.model = (model.to(device) if device is not None else model).eval()
         # the parameters' device, which names its index ("cuda" becomes "cuda:0"): the generators and every tensor a
@@ -413,7 +423,9 @@ class TorchEngine(InferenceEngine):
         self.eos_id = tokenizer.eos_token_id
         self.fallback_reason = SlotDecoder.unsupported(self.model)
         self.decoder = (
-            SlotDecoder(self.model, max_batch_size, kv_initial_capacity) if self.fallback_reason is None else None
+            SlotDecoder(self.model, max_batch_size, kv_initial_capacity, kv_initial_slots)
+            if self.fallback_reason is None
+            else None
         )
         if decode == "auto":
             decode = "graphs" if self.device.type == "cuda" else "dynamic"

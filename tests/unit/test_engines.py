@@ -80,6 +80,24 @@ def test_torch_engine_frees_its_kv_cache_between_rollouts_and_rebuilds_it_at_its
     assert [r.token_ids for r in engine.generate(prompts[:3], sp)] == first
 
 
+def test_the_kv_cache_holds_the_slots_of_the_live_requests_not_of_max_batch_size(
+    tiny_model_dir, tiny_tokenizer, prompts
+):
+    """64 slots allowed, 8 to start with: 3 requests keep 8; 12 at once grow it to 16 (the next doubling, 2x the
+    memory) rather than 64, and a release brings back 16."""
+    engine = TorchEngine(load_model(tiny_model_dir), tiny_tokenizer, max_batch_size=64)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    engine.generate(prompts[:3], sp)
+    per_slot = engine.decoder.cache_bytes() // 8
+    assert engine.decoder.slots == 8 and engine.decoder.k[0].shape[0] == 8
+    twelve = (prompts * 2)[:12]
+    assert [r.token_ids for r in engine.generate(twelve, sp)] == [r.token_ids for r in engine.generate(twelve, sp)]
+    assert engine.decoder.slots == 16 and engine.decoder.cache_bytes() == 16 * per_slot
+    assert engine.release_memory() == 16 * per_slot
+    engine.generate(prompts[:1], sp)
+    assert engine.decoder.slots == 16
+
+
 def test_batches_pad_to_powers_of_two_within_the_slots():
     assert [batch_bucket(n, 6) for n in (1, 2, 3, 4, 5, 6)] == [1, 2, 4, 4, 6, 6]
     assert batch_bucket(33, 64) == 64 and batch_bucket(64, 64) == 64
@@ -94,7 +112,7 @@ def test_the_static_decode_step_decodes_what_generate_and_the_dynamic_step_do(
     log-probs equal the dynamic step's, with requests joining mid-decode and the cache growing past 64."""
     model = load_model(tiny_model_dir)
     static = TorchEngine(load_model(tiny_model_dir), tiny_tokenizer, max_batch_size=max_batch_size,
-                         kv_initial_capacity=64, decode="static")  # fmt: skip
+                         kv_initial_capacity=64, decode="static", kv_initial_slots=1)  # fmt: skip
     dynamic = TorchEngine(load_model(tiny_model_dir), tiny_tokenizer, max_batch_size=max_batch_size,
                           kv_initial_capacity=64, decode="dynamic")  # fmt: skip
     assert (static.decode_form, dynamic.decode_form) == ("static", "dynamic")
@@ -118,10 +136,12 @@ def test_cuda_graphs_are_refused_off_a_gpu_and_an_unknown_form_is_named(tiny_mod
 
 
 def test_torch_engine_admits_requests_of_another_thread_mid_decode(tiny_model_dir, tiny_tokenizer, prompts):
+    """Two requests join one that is decoding; the cache, one slot at first, grows to three with the first request's
+    keys and values copied in place (its tokens still equal transformers' greedy ones)."""
     import threading
 
     model = load_model(tiny_model_dir)
-    engine = TorchEngine(load_model(tiny_model_dir), tiny_tokenizer, max_batch_size=8)
+    engine = TorchEngine(load_model(tiny_model_dir), tiny_tokenizer, max_batch_size=8, kv_initial_slots=1)
     long_sp = SamplingParams(temperature=0.0, max_new_tokens=300, ignore_eos=True)
     short_sp = SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True)
     out = {}
@@ -131,7 +151,7 @@ def test_torch_engine_admits_requests_of_another_thread_mid_decode(tiny_model_di
         pass
     out["short"] = engine.generate(prompts[1:3], short_sp)
     t.join()
-    assert engine.admitted_mid_decode >= 2
+    assert engine.admitted_mid_decode >= 2 and engine.decoder.slots == 3
     assert out["long"][0].token_ids == hf_greedy(model, prompts[0], 300)
     for prompt, r in zip(prompts[1:3], out["short"]):
         assert r.token_ids == hf_greedy(model, prompt, 5)
