@@ -3,9 +3,9 @@
     python -m tests.vllm_checks MODEL_DIR PROMPTS_JSON RESULTS_JSON     (from the repository root)
 
 Each check gets "ok" or its traceback in RESULTS_JSON, which is rewritten after every check, so a process that dies
-half-way still reports the checks it finished. Importing vLLM and building its first engine is most of the cost
-(~20 s of CPU on a 2-core box); one process pays it once for every check, and its console is the one a job's
-worker has (the parent passes launcher.QUIET_ENV), which the parent reads for stray notices."""
+half-way still reports the checks it finished. Importing vLLM and building its first engine is most of the cost;
+one process pays it once for every check, and its console is the one a job's worker has (the parent passes
+launcher.QUIET_ENV), which the parent reads for stray notices."""
 
 from __future__ import annotations
 

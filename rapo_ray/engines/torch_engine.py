@@ -47,10 +47,9 @@ class SlotDecoder:
 
     Cache layout per layer: ``k, v`` of shape [slots, kv_heads, capacity, head_dim]. Both grow by doubling when a
     step needs more: slots up to ``max_slots`` as requests are admitted, capacity up to ``max_position_embeddings``
-    as one runs longer. Memory is therefore the most requests live at once x the longest live sequence (a cache
-    sized for ``max_slots`` from the start held 4x the memory of a rollout of 12 requests in 64 slots, and took 4x
-    the time to grow): for long contexts on big models, lower ``max_batch_size`` (vLLM's paged cache is the engine
-    for those).
+    as one runs longer. Memory is therefore the most requests live at once x the longest live sequence, not
+    ``max_slots`` x it (docs/RESULTS.md, Performance by component): for long contexts on big models, lower
+    ``max_batch_size`` (vLLM's paged cache is the engine for those).
     """
 
     def __init__(self, model, max_slots: int, initial_capacity: int = 256, initial_slots: int = 8):
@@ -118,9 +117,9 @@ class SlotDecoder:
         grown_slots = max(slots, 2 * self.slots) if slots > self.slots else self.slots
         grown_capacity = max(positions, 2 * self.capacity, 64) if positions > self.capacity else self.capacity
         new_slots = min(self.max_slots, max(grown_slots, self.released[0]))
-        new = min(self.max_positions, max(grown_capacity, self.released[1]))
+        new_capacity = min(self.max_positions, max(grown_capacity, self.released[1]))
         self.released = (0, 0)
-        shape = (new_slots, self.n_kv, new, self.head_dim)
+        shape = (new_slots, self.n_kv, new_capacity, self.head_dim)
         for i in range(len(self.layers)):
             k = torch.zeros(shape, dtype=self.dtype, device=self.device)
             v = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -132,7 +131,7 @@ class SlotDecoder:
             else:
                 self.k.append(k)
                 self.v.append(v)
-        self.slots, self.capacity = new_slots, new
+        self.slots, self.capacity = new_slots, new_capacity
         self.generation += 1
 
     @torch.inference_mode()
