@@ -23,6 +23,7 @@ import threading
 from concurrent.futures import Future
 from pathlib import Path
 
+from rapo_ray.core.transformers_import_cache import cache_transformers_import_scans
 from rapo_ray.engines.base import GenerationResult, InferenceEngine
 
 
@@ -37,6 +38,7 @@ def apply_vllm_log_level() -> None:
 
 def vllm_available() -> bool:
     apply_vllm_log_level()
+    cache_transformers_import_scans()  # vLLM imports transformers
     try:
         import vllm  # noqa: F401
 
@@ -104,6 +106,7 @@ class VLLMEngine(InferenceEngine):
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         apply_vllm_log_level()
+        cache_transformers_import_scans()
         from vllm import LLM
 
         self.model_path = str(model_path)

@@ -29,6 +29,7 @@ from rapo_ray.core.files import write_json_atomic
 from rapo_ray.core.local_ray import init_local_ray
 from rapo_ray.core.metrics import StageTimer
 from rapo_ray.core.net import free_port
+from rapo_ray.core.transformers_import_cache import cache_transformers_import_scans
 from rapo_ray.launch import ray_reaper
 from rapo_ray.launch.plan import (
     fit_cpus,
@@ -77,6 +78,7 @@ SERVE_LOGGING = {"log_level": os.environ.get("RAPO_SERVE_LOG_LEVEL", "WARNING")}
 
 def quiet_driver() -> None:
     """The driver's share of the above: no weight-loading bars, no Serve or Ray Data INFO lines."""
+    cache_transformers_import_scans()
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

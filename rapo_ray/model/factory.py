@@ -16,6 +16,7 @@ from typing import Iterable
 import torch
 
 from rapo_ray.core.errors import ModelLoadError
+from rapo_ray.core.transformers_import_cache import cache_transformers_import_scans
 from rapo_ray.envs import tasks
 from rapo_ray.model.gguf import ensure_converted, packaged_gguf
 from rapo_ray.model.light_imports import hide_unused_packages_from_transformers
@@ -38,6 +39,8 @@ def set_torch_threads(n: int = 1) -> None:
 def train_tokenizer(texts: Iterable[str], vocab_size: int):
     """Byte-level BPE trained on ``texts``; every protocol tag and chat-frame marker is one special token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    cache_transformers_import_scans()
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -62,6 +65,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
 
 
 def load_tokenizer(path: str | Path):
+    cache_transformers_import_scans()  # a driver's first transformers import is often this one
     from transformers import PreTrainedTokenizerFast
 
     p = Path(path)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import sys
 
+from rapo_ray.core.transformers_import_cache import cache_transformers_import_scans
+
 _FIRST_IMPORTERS = ("transformers.generation.candidate_generator", "transformers.loss.loss_for_object_detection")
 
 
@@ -22,6 +24,7 @@ def hide_unused_packages_from_transformers() -> bool:
     retrieval backend uses ``scipy.sparse``)."""
     if any(name in sys.modules for name in _FIRST_IMPORTERS):
         return False
+    cache_transformers_import_scans()  # transformers' import below is its first in most processes
     import transformers.utils
     from transformers.utils import import_utils
 

@@ -97,6 +97,7 @@ class Embedder:
             raise ValueError(f"pooling must be 'last' or 'mean', got {pooling!r}")
         self.device = parse_device(device)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        hide_unused_packages_from_transformers()  # before transformers' first import in a replica
         from transformers import AutoTokenizer
 
         path = minilm_path()
