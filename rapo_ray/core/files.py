@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 
@@ -18,10 +19,12 @@ def file_sha256(path: str | Path) -> str:
 
 def write_json_atomic(path: str | Path, data, **dumps_kwargs) -> Path:
     """Write ``data`` as JSON to ``path`` through a temporary name and a rename, so a reader (or a crash) sees the
-    previous file or the new one, never half of one. ``dumps_kwargs`` go to ``json.dumps`` (default ``indent=1``)."""
+    previous file or the new one, never half of one; the temporary name is the writing process's own, so two
+    processes writing the same file at once do not write into one temporary file. ``dumps_kwargs`` go to
+    ``json.dumps`` (default ``indent=1``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, **{"indent": 1, **dumps_kwargs}) + "\n")
     tmp.replace(path)
     return path

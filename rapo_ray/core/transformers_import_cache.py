@@ -30,6 +30,8 @@ import os
 import sys
 from pathlib import Path
 
+from rapo_ray.core.files import write_json_atomic
+
 _TARGET = "transformers.utils.import_utils"
 CACHE_DIR_ENV = "RAPO_IMPORT_CACHE_DIR"
 _FORMAT = 1  # bump when an entry's layout changes
@@ -168,15 +170,10 @@ def _read(place: tuple[str, ...], key: dict):
 
 
 def _write(place: tuple[str, ...], key: dict, value) -> None:
-    """Written to a temporary file and renamed: a process reading at the same time sees the old entry or the new
-    one, never half of one."""
     path = _entry_path(place)
     if path is None:
         return
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"format": _FORMAT, "key": key, "value": value}))
-        os.replace(tmp, path)
+        write_json_atomic(path, {"format": _FORMAT, "key": key, "value": value}, indent=None)
     except OSError:
         pass  # no writable cache folder: transformers' own scans next time too
