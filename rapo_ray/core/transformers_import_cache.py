@@ -22,6 +22,7 @@ falls back to transformers' own scan: the cache can make an import faster, never
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.machinery
 import importlib.metadata
@@ -106,13 +107,12 @@ def _caching_define_import_structure(real_define):
     made: dict = {}  # transformers' own function is an lru_cache (and its caller mutates what it returns): one object
     # per place in a process, as there
 
+    @functools.wraps(real_define)
     def define_import_structure(module_path, prefix=None):
         if (str(module_path), prefix) not in made:
             made[str(module_path), prefix] = _define_import_structure(real_define, module_path, prefix)
         return made[str(module_path), prefix]
 
-    define_import_structure.__wrapped__ = real_define
-    define_import_structure.__doc__ = real_define.__doc__
     return define_import_structure
 
 

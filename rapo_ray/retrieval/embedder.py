@@ -114,8 +114,7 @@ class Embedder:
         self.pad_slack = (0.1 if self.device.type == "cpu" else float("inf")) if pad_slack is None else pad_slack
 
     def _load_model(self, path: Path, last_position_only: bool) -> None:
-        hide_unused_packages_from_transformers()
-        from transformers import AutoModel
+        from transformers import AutoModel  # (SciPy and scikit-learn hidden in __init__, before the tokenizer)
 
         self.model = AutoModel.from_pretrained(str(path)).eval().to(self.device)
         # last-token pooling: the model runs all layers but the last; ``last_position_of_layer`` finishes it
