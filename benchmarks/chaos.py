@@ -230,23 +230,40 @@ def _processes() -> dict[int, str]:
     return out
 
 
-def _started_by_the_job(pid: int, cmd: str, before: set[int], marks: list[str]) -> bool:
-    """A process that did not exist before the job and belongs to it: Ray's processes and the milvus-lite server
-    carry the job's RAY_TMPDIR in their environment or the job's folders on their command line; a python sandbox
-    server (its own clean environment) is the job's when its parent is gone (re-parented) or new. Anything else
-    on the machine (another Ray, a test session's) is not counted."""
-    if pid in before or pid == os.getpid():
-        return False
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _carries_a_mark(pid: int, cmd: str, marks: list[str]) -> bool:
+    """Ray's processes and the milvus-lite server carry the job's RAY_TMPDIR in their environment or the job's
+    folders on their command line."""
     if any(m in cmd for m in marks):
         return True
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
-        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
+    except OSError:
         return False
-    if any(m in environ for m in marks):
-        return True
-    return "sandbox_runner" in cmd and (ppid == 1 or ppid not in before)
+    return any(m in environ for m in marks)
+
+
+def _job_processes(procs: dict[int, str], before: set[int], marks: list[str]) -> dict[int, str]:
+    """The processes of ``procs`` that did not exist before the job and belong to it: those carrying its marks,
+    everything below them (a python sandbox server, with its own clean environment, is a rollout worker's child),
+    and a sandbox server whose parent is gone (re-parented to init). Anything else on the machine (another Ray, a
+    test session's sandbox servers running beside the job) is not the job's."""
+    new = {p: c for p, c in procs.items() if p not in before and p != os.getpid()}
+    parents = {p: _parent(p) for p in new}
+    mine = {p for p, c in new.items() if _carries_a_mark(p, c, marks)}
+    grew = True
+    while grew:  # the closure under "child of a process of the job"
+        below = {p for p, parent in parents.items() if parent in mine and p not in mine}
+        mine |= below
+        grew = bool(below)
+    orphans = {p for p, c in new.items() if "sandbox_runner" in c and (parents[p] == 1 or parents[p] not in procs)}
+    return {p: new[p] for p in mine | orphans}
 
 
 def _stop(pids) -> None:
@@ -305,7 +322,7 @@ def run_job(name: str, overrides: list[str], plan: list[dict], work: Path, log) 
     marks = [str(work), str(ray_tmp), *(o.split("=", 1)[1] for o in overrides if o.startswith("run.artifacts_dir="))]
     deadline = time.time() + 5.0  # the reaper's and the actors' own exit
     while True:
-        left = {p: c for p, c in _processes().items() if _started_by_the_job(p, c, before, marks)}
+        left = _job_processes(_processes(), before, marks)
         if not left or time.time() > deadline:
             break
         time.sleep(0.25)

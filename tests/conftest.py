@@ -14,7 +14,36 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.background import EarlyStarts  # noqa: E402
+
 torch.set_num_threads(1)
+
+# the unit half first (no Ray, a minute or two: a broken build shows at once, and the tests marked starts_early run
+# beside it), then the child-process integration tests, then the Ray tests
+FOLDER_ORDER = ("tests/unit/", "tests/integration/", "tests/ray/")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def rank(item):
+        return next((i for i, folder in enumerate(FOLDER_ORDER) if item.nodeid.startswith(folder)), len(FOLDER_ORDER))
+
+    items.sort(key=rank)  # stable: each folder keeps pytest's own order
+
+
+@pytest.fixture(scope="session", autouse=True)
+def early_starts(request, tmp_path_factory):
+    """The background commands of the collected tests marked ``starts_early`` (tests/background.py), started
+    before the first test; each in a work folder of its own, stopped at the session's end if still running."""
+    starts = EarlyStarts()
+    try:
+        for item in request.session.items:
+            marker = item.get_closest_marker("starts_early")
+            if marker is not None:
+                work = tmp_path_factory.mktemp("early")
+                starts.start(item.nodeid, marker.kwargs["command"](request.getfixturevalue, work), work)
+        yield starts
+    finally:
+        starts.stop_all()
 
 
 def tiny_config(tmp_dir, *overrides):

@@ -74,10 +74,11 @@ RACES = {"infinite loop", "output planter"}
 
 
 def _call_processes() -> set[int]:
-    """PIDs of live processes a call could have left: anything under a call uid or running ``sleep 31337``,
-    except a server's spare (the next call's process, made ahead, waiting for its code: a child of a server).
-    A call's own processes are never a server's children: its PID 1 is reaped before its reply, and everything
-    else it starts lives below that PID 1."""
+    """PIDs of live processes a call of this session could have left: anything under a call uid whose server is
+    this process's (or gone), or running ``sleep 31337``, except a server's spare (the next call's process, made
+    ahead, waiting for its code: a child of a server). A call's own processes are never a server's children: its
+    PID 1 is reaped before its reply, and everything else it starts lives below that PID 1. Calls of another
+    process's servers (a background job of this session, tests/background.py) are not this test's."""
 
     def status_of(pid) -> str:
         return Path(f"/proc/{pid}/status").read_text()
@@ -85,6 +86,17 @@ def _call_processes() -> set[int]:
     def is_server(pid) -> bool:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
         return b"sandbox_runner.py" in cmd and _uid(status_of(pid)) < CALL_UID_BASE
+
+    def ours(server_pid: int) -> bool:
+        pid = server_pid
+        while pid > 1:
+            try:
+                pid = int(status_of(pid).split("\nPPid:")[1].split()[0])
+            except (OSError, IndexError, ValueError):
+                return pid == server_pid  # a server that is gone: its calls must be gone too
+            if pid == os.getpid():
+                return True
+        return False
 
     out = set()
     for p in Path("/proc").iterdir():
@@ -96,8 +108,9 @@ def _call_processes() -> set[int]:
             cmd = (p / "cmdline").read_bytes()
             if "\nState:\tZ" in status:  # dead, waiting for its (re)parent to reap it
                 continue
-            if (uid >= CALL_UID_BASE or b"31337" in cmd) and not is_server(status.split("\nPPid:")[1].split()[0]):
-                out.add(int(p.name))
+            if b"31337" in cmd or (uid >= CALL_UID_BASE and ours(uid - CALL_UID_BASE)):
+                if not is_server(status.split("\nPPid:")[1].split()[0]):
+                    out.add(int(p.name))
         except (OSError, IndexError):
             continue
     return out

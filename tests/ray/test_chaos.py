@@ -1,26 +1,32 @@
-"""The chaos benchmark's small version: one short job with four faults, replayed against an uninterrupted run."""
+"""The chaos benchmark's small version: one short job with four faults, replayed against an uninterrupted run.
+
+The benchmark is one subprocess of about 3 minutes of both cores, so it starts with the session (``starts_early``,
+tests/background.py) and runs beside the in-process tests; this test waits for it and checks its report."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_quick_chaos_run_survives_every_fault_and_replays_exactly(tmp_path, tiny_warm_artifacts):
-    out = tmp_path / "chaos.json"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "chaos.py"), "--quick", "--work", str(tmp_path), "--out", str(out)]
-    proc = subprocess.run(
-        [*cmd, "--artifacts", str(tiny_warm_artifacts)],  # the trainer tests' warm start and buffer
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+def quick_chaos_command(fixture, work: Path) -> list:
+    """``benchmarks/chaos.py --quick`` on the trainer tests' warm start and buffer (built by this run if it is first)."""
+    return [
+        *(sys.executable, REPO / "benchmarks" / "chaos.py", "--quick", "--work", work, "--out", work / "chaos.json"),
+        *("--artifacts", fixture("tiny_warm_artifacts")),
+    ]
+
+
+@pytest.mark.starts_early(command=quick_chaos_command)
+def test_quick_chaos_run_survives_every_fault_and_replays_exactly(early_starts, request):
+    done = early_starts.wait(request.node.nodeid, timeout_s=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((done.work / "chaos.json").read_text())
     faults = report["faults"]
     assert sorted(f["kind"] for f in faults) == ["driver", "learner", "retrieval_replica", "rollout_worker"]
     assert all(f["injected"] and f["survived"] for f in faults), faults
