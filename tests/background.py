@@ -1,9 +1,9 @@
 """Tests whose work is one long subprocess can start it when the session begins instead of when their turn comes.
 
-The in-process tests (the unit half, most of the integration half) run one at a time on one thread: on a 2-core box
-one core idles through them (about 50% busy, measured). A test marked ``@pytest.mark.starts_early(command=...)`` has its
-command started, niced, by the session's first fixture; it fills that idle core, and the test itself, when pytest
-reaches it, waits for the command and checks its output as before. Same command, same checks: only the start moves.
+The unit half runs in process, one test at a time on one thread: on a 2-core box one core idles through it (49% busy,
+measured). A test marked ``@pytest.mark.starts_early(command=...)`` has its command started, niced, by the session's
+first fixture; it fills that idle core, and the test itself, ordered right after the unit half (tests/conftest.py),
+waits for the command and checks its output as before. Same command, same checks: only the start moves.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The chaos benchmark's small version: one short job with four faults, replayed against an uninterrupted run.
 
 The benchmark is one subprocess of about 3 minutes of both cores, so it starts with the session (``starts_early``,
-tests/background.py) and runs beside the in-process tests; this test waits for it and checks its report."""
+tests/background.py) and runs beside the unit half; this test, right after that half, waits for it and checks its
+report."""
 
 from __future__ import annotations
 
