@@ -14,31 +14,26 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 # niceness of a background command: the tests in the foreground keep the cores they ask for, the command takes the
 # rest (a niced process still runs, with a tenth of the share of a normal one when both want a core)
 NICENESS = 10
 
-# (fixture lookup, the command's own work folder) -> the command's argv; the test module defines it
-CommandFactory = Callable[[Callable[[str], object], Path], list]
-
 
 @dataclass
 class Finished:
-    """What a background command left: its exit status, its output, and its work folder."""
+    """What a background command left: its exit status, its output and its work folder."""
 
     returncode: int
     stdout: str
     stderr: str
     work: Path
-    seconds: float  # from its start to its end
 
 
 class BackgroundCommand:
     """One command running in its own process group, output to files under ``work``; ``wait`` gives ``Finished``."""
 
-    def __init__(self, argv: list, work: Path, env: dict | None = None):
+    def __init__(self, argv: list, work: Path):
         self.work = work
         self.argv = [str(a) for a in argv]
         self._out, self._err = open(work / "stdout.txt", "w"), open(work / "stderr.txt", "w")
@@ -47,11 +42,9 @@ class BackgroundCommand:
             self.argv,
             stdout=self._out,
             stderr=self._err,
-            env=env,
             start_new_session=True,  # its own process group: ``stop`` ends it and whatever it started
             preexec_fn=lambda: os.nice(NICENESS),
         )
-        self.ended: float | None = None
 
     def wait(self, timeout_s: float) -> Finished:
         """Block until the command ends, at most ``timeout_s`` after its start; past that it is stopped and
@@ -63,8 +56,6 @@ class BackgroundCommand:
             raise TimeoutError(
                 f"{' '.join(self.argv)} ran past {timeout_s:.0f} s; its output is in {self.work}"
             ) from None
-        if self.ended is None:
-            self.ended = time.monotonic()
         self._out.close()
         self._err.close()
         return Finished(
@@ -72,7 +63,6 @@ class BackgroundCommand:
             (self.work / "stdout.txt").read_text(errors="replace"),
             (self.work / "stderr.txt").read_text(errors="replace"),
             self.work,
-            self.ended - self.started,
         )
 
     def stop(self) -> None:
