@@ -164,7 +164,7 @@ def test_a_replica_death_fails_no_request_and_health_reports_it(agent_apps, tiny
 
     from rapo_ray.serving.app import build_agent_app
 
-    steps = ["<think>slow</think><python>import time; time.sleep(0.3); print(1)</python>", "<answer>1</answer>"]
+    steps = ["<think>slow</think><python>import time; time.sleep(1.0); print(1)</python>", "<answer>1</answer>"]
     cfg = replace(
         tiny_cfg,
         serve=replace(
@@ -187,16 +187,19 @@ def test_a_replica_death_fails_no_request_and_health_reports_it(agent_apps, tiny
             r = requests.post(base + "/v1/chat/completions", json={"messages": _user(f"q{i}")}, timeout=120)
             results.append((r.status_code, r.json()))
 
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(16)]
-        for t in threads:
-            t.start()
-        time.sleep(0.3)  # requests in flight on both replicas
+        # the victim is looked up before the load starts: listing actors took long enough on a loaded box for every
+        # request to finish before the kill (then nothing was in flight to retry)
         replicas = [
             a
             for a in ray.util.list_named_actors(all_namespaces=True)
             if "SERVE_REPLICA::replicas_test#AgentServer" in a["name"]
         ]
-        ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]), no_restart=True)
+        victim = ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"])
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)  # requests in flight on both replicas: 8 each, 4 tool calls at a time, 1 s per call
+        ray.kill(victim, no_restart=True)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             t0 = time.monotonic()
