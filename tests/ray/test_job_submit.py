@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from rapo_ray.config import TINY_OVERRIDES
+from rapo_ray.config import TINY_OVERRIDES, TINY_WARM_OVERRIDES
 from rapo_ray.core.net import free_port, short_temp_dir
 from rapo_ray.launch.ray_reaper import reap
 
 REPO = Path(__file__).resolve().parents[2]
+BUFFER_COLLECTION = "submitted_job_steps"  # the job's own buffer, beside the warm artifacts' default one
 
 
 @pytest.fixture
@@ -62,7 +63,7 @@ def agent_logs(temp: Path) -> str:
 
 
 @pytest.mark.slow
-def test_a_job_submitted_to_a_two_cpu_head_fits_itself_and_succeeds(two_cpu_head, tmp_path):
+def test_a_job_submitted_to_a_two_cpu_head_fits_itself_and_succeeds(two_cpu_head, tiny_warm_artifacts, tmp_path):
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     from rapo_ray.launch.launcher import enable_token_auth_if_available
@@ -71,22 +72,21 @@ def test_a_job_submitted_to_a_two_cpu_head_fits_itself_and_succeeds(two_cpu_head
     enable_token_auth_if_available()  # Ray 2.60 heads started here use token auth (README): send the token
     overrides = [
         *TINY_OVERRIDES,
-        "algo.group_size=4",  # RAPO, the default: the buffer build, the Serve retrieval app and hybrid slots too
-        "algo.rapo.n_hybrid=2",
-        "retrieval.buffer_samples_per_question=2",
-        "retrieval.buffer_keep_top_k=1",
+        # the session's tiny warm start (the chaos job's and the trainer tests', usually built by now: found cached)
+        *TINY_WARM_OVERRIDES,
+        f"run.artifacts_dir={tiny_warm_artifacts}",
+        # the default shares, 1 CPU per learner and per worker, which a 2-CPU head cannot give
+        "resources.cpus_per_learner=1.0",
+        "resources.cpus_per_rollout_worker=1.0",
+        # RAPO, the default: a buffer of its own is built on the 2-CPU head, then the Serve retrieval app and hybrid
+        # slots
+        f"retrieval.collection={BUFFER_COLLECTION}",
         "serve.min_replicas=1",
-        "trainer.prompts_per_step=2",
         "trainer.total_steps=1",
         "trainer.eval_size=4",
-        "trainer.sft_steps=10",
-        "rollout.engine=torch",
         "rollout.max_response_tokens=96",
         "rollout.max_step_tokens=32",
-        "learner.mini_batch_size=4",
         "checkpoint.every=0",
-        "run.progress=false",
-        f"run.artifacts_dir={tmp_path / 'artifacts'}",
         f"run.output_dir={tmp_path / 'runs'}",
         "run.name=submitted",
     ]
